@@ -1,0 +1,86 @@
+"""Arenas: the memory one model shard's tensors are packed into, held and shared as file descriptors.
+
+On the CPU an arena is a `memfd`: written once with `pwrite`, then sealed (no write, grow or
+shrink, and no further seals), so no process holding the fd, the daemon included, can change
+the bytes a client has mapped. A client maps it read-only (`zero_copy`: writes through such a
+tensor fault) and builds dtype views at the manifest's offsets. The mapping lives as long as the
+last tensor that uses it. The fd is the capability: whoever holds it can read the weights, so
+fds only travel over an authenticated Unix socket (`SCM_RIGHTS`).
+
+The CUDA arena (VMM allocations exported as POSIX fds) implements the same three calls:
+`create(size, device, name) -> writer`, `writer.write(offset, tensor)` / `writer.finish() -> fd`,
+and `map_readonly(fd, size, device) -> uint8 tensor`.
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import warnings
+
+import torch
+
+from .errors import ArenaError
+from .manifest import DTYPES, TensorEntry
+
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+_WRITE_STEP = 1 << 26
+
+
+class MemfdWriter:
+    """Fills a new memfd of `size` bytes; `finish()` seals it and hands over the fd."""
+
+    def __init__(self, size: int, name: str):
+        self.fd = os.memfd_create(f"fast-start:{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+        except OSError as e:
+            os.close(self.fd)
+            raise ArenaError(f"cannot size a {size}-byte arena for {name}: {e}",
+                             "free memory or lower the model's footprint") from None
+        self.size = size
+
+    def write(self, offset: int, tensor: torch.Tensor) -> None:
+        assert tensor.is_contiguous() and offset + tensor.nbytes <= self.size
+        data = memoryview(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:done + _WRITE_STEP], offset + done)
+
+    def finish(self) -> int:
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+        fd, self.fd = self.fd, -1
+        return fd
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def create(size: int, device: str, name: str) -> MemfdWriter:
+    if device != "cpu":
+        raise ArenaError(f"arena device {device!r} is not available", 'use device = "cpu"')
+    return MemfdWriter(size, name)
+
+
+def map_readonly(fd: int, size: int, device: str) -> torch.Tensor:
+    """Map an arena fd read-only as a flat uint8 tensor; the fd may be closed afterwards."""
+    if device != "cpu":
+        raise ArenaError(f"arena device {device!r} is not available here", "fetch on the CPU")
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    if seals & _SEALS != _SEALS:
+        raise ArenaError("arena memfd is not sealed against writes", "refill the cache from a trusted daemon")
+    if os.fstat(fd).st_size != size:
+        raise ArenaError(f"arena has {os.fstat(fd).st_size} bytes, the manifest says {size}", "refill the cache")
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():
+        # torch warns that the buffer is not writable: that is the point of a read-only map.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def view(arena: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The tensor `entry` describes, as a view into a mapped arena."""
+    flat = arena[entry.offset:entry.offset + entry.nbytes]
+    return flat.view(DTYPES[entry.dtype]).view(entry.shape)

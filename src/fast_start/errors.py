@@ -1,0 +1,48 @@
+"""The errors fast-start raises.
+
+Every error names the thing that is wrong and how to fix it: `str(err)` is one line an operator
+can act on, and `err.fix` holds the fix alone. The CLI maps these classes to exit codes in one
+place; anything that is not a `FastStartError` is a bug in fast-start.
+"""
+from __future__ import annotations
+
+
+class FastStartError(Exception):
+    """Base class: `what` is the problem, `fix` is what to do about it."""
+
+    def __init__(self, what: str, fix: str = ""):
+        self.what = what
+        self.fix = fix
+        super().__init__(f"{what} (fix: {fix})" if fix else what)
+
+
+class CheckpointError(FastStartError):
+    """A checkpoint folder, index, config.json or safetensors file is unusable."""
+
+
+class QuantizationError(FastStartError):
+    """A quantization method cannot be applied to this checkpoint or is not allowed."""
+
+
+class ShardError(FastStartError):
+    """A tensor cannot be cut for the requested tensor-parallel layout."""
+
+
+class ArenaError(FastStartError):
+    """An arena or its manifest is inconsistent, or cannot be created or mapped."""
+
+
+class LoadError(FastStartError):
+    """Weights do not fit the module they are loaded into."""
+
+
+class CacheMiss(FastStartError):
+    """The cache could not serve a fetch and fallback was disabled.
+
+    `fields` lists the fingerprint fields that differ (empty when the reason is something else,
+    such as no daemon).
+    """
+
+    def __init__(self, what: str, fix: str = "", fields: tuple[str, ...] = ()):
+        super().__init__(what, fix)
+        self.fields = fields

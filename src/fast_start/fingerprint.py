@@ -1,0 +1,85 @@
+"""The fingerprint that guards the cache: any differing field means a miss.
+
+`checkpoint` hashes every shard's raw safetensors header (file names sorted, the folder's path
+left out, so the same model copied elsewhere matches). Headers carry every tensor's name,
+dtype, shape and byte range; a checkpoint whose data changed without its header changing is
+caught by `verify --deep`, not here. The GPU is matched separately, by UUID.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
+
+from . import quant
+from .checkpoint import Checkpoint
+
+# Bump when the bytes fast-start produces for the same inputs change (rules, packing, formats).
+LAYOUT_VERSION = 1
+
+
+LAYOUTS = ("hf",)
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """Which weights an engine wants: the checkpoint and how to derive this rank's tensors."""
+    path: str
+    tensor_parallel_size: int = 1
+    rank: int = 0
+    dtype: str = "bfloat16"
+    quantization: str = "none"
+    layout: str = "hf"
+    revision: str = "main"
+    engine_version: str = ""
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    checkpoint: str
+    architecture: str
+    tensor_parallel_size: int
+    rank: int
+    dtype: str
+    quantization: str
+    quantization_config: str
+    revision: str
+    engine_version: str
+    layout: str          # "<layout>/<LAYOUT_VERSION>", e.g. "hf/1"
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+
+    def diff(self, other: "Fingerprint") -> tuple[str, ...]:
+        """Names of the fields that differ."""
+        return tuple(f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Fingerprint":
+        names = {f.name for f in fields(cls)}
+        if not isinstance(d, dict) or set(d) != names:
+            raise ValueError(f"a fingerprint has exactly the fields {sorted(names)}")
+        return cls(**d)
+
+
+def checkpoint_hash(ckpt: Checkpoint) -> str:
+    h = hashlib.sha256()
+    for name in sorted(ckpt.headers):
+        raw = ckpt.headers[name]
+        h.update(f"{name}\0{len(raw)}\0".encode())
+        h.update(raw)
+    return h.hexdigest()
+
+
+def fingerprint(spec: WeightSpec, ckpt: Checkpoint) -> Fingerprint:
+    method = quant.method(spec.quantization)
+    return Fingerprint(
+        checkpoint=checkpoint_hash(ckpt), architecture=ckpt.dims.architecture,
+        tensor_parallel_size=spec.tensor_parallel_size, rank=spec.rank, dtype=spec.dtype,
+        quantization=spec.quantization,
+        quantization_config=quant.config_hash(method, ckpt.dims.quantization_config),
+        revision=spec.revision, engine_version=spec.engine_version,
+        layout=f"{spec.layout}/{LAYOUT_VERSION}")

@@ -1,0 +1,137 @@
+"""The weight pipeline: checkpoint → dtype/quantization → tensor-parallel shard → tensors or arena.
+
+`derive` is the one function that turns a checkpoint into a rank's tensors. The daemon's worker
+runs it into an arena (`materialize`), an engine's disk fallback runs it into ordinary tensors
+(`load_from_disk`), and `plan` runs it on the `meta` device to learn every output's name, dtype
+and shape from the headers alone, so the arena can be laid out before any data is read. One code
+path for all three is what makes cache and disk bit-identical.
+
+Cast-only tensors are read as slices (`get_slice`), so a rank reads only its part from disk;
+tensors quantized here are read whole because a per-tensor scale needs the whole tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Iterator
+
+import torch
+
+from . import arena as arenas
+from . import quant, shard
+from .checkpoint import Checkpoint, open_checkpoint, tensor_reader
+from .errors import QuantizationError
+from .fingerprint import LAYOUTS, Fingerprint, WeightSpec, fingerprint
+from .manifest import ArenaEntry, Manifest, checksum, pack
+
+Reader = Callable[[str, "shard.Cut | None"], torch.Tensor]
+
+
+def derive(ckpt: Checkpoint, spec: WeightSpec, read: Reader, device: str | torch.device = "cpu"
+           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, contiguous tensor on `device`) for every tensor of this rank, in checkpoint order."""
+    method, dtype, tp = check_spec(ckpt, spec)
+    for name, info in ckpt.tensors.items():
+        if shard.SKIP.search(name):
+            continue
+        scale = shard.SCALE.match(name)
+        if scale:                                   # a pre-quantized checkpoint's scale
+            t = read(name, None).to(device)
+            yield name, shard.shard(name, t, tp, ckpt.tensors[scale.group(1)].shape).contiguous()
+        elif method.quantize and quant.is_quantized(name):
+            q, s = method.quantize(read(name, None).to(device))
+            yield name, shard.shard(name, q, tp).contiguous()
+            yield name + method.scale_suffix, shard.shard(name + method.scale_suffix, s, tp, info.shape).contiguous()
+        else:
+            t = read(name, shard.cut_for(name, info.shape, tp)).to(device)
+            yield name, _cast(name, t, dtype).contiguous()
+
+
+def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # FP8 weights and activation scales of a pre-quantized checkpoint keep their stored dtype.
+    if not t.is_floating_point() or t.dtype == quant.FP8 or name.endswith("input_scale"):
+        return t
+    return t.to(dtype)
+
+
+def check_spec(ckpt: Checkpoint, spec: WeightSpec):
+    """Everything that can be said about a spec from headers alone; raises before any data is read."""
+    if spec.layout not in LAYOUTS:
+        raise QuantizationError(f"layout {spec.layout!r} is not supported", f"use one of {', '.join(LAYOUTS)}")
+    method = quant.method(spec.quantization)
+    quant.require_verified(method)
+    dtype = quant.dtype(spec.dtype)
+    tp = shard.check_tp(ckpt.dims, spec.tensor_parallel_size, spec.rank)
+    fp8 = [n for n, i in ckpt.tensors.items() if i.dtype == quant.FP8]
+    if method.prequantized and not fp8:
+        raise QuantizationError(f"{ckpt.folder} holds no FP8 weights, so {method.name!r} has nothing to pass through",
+                                "use quantization = \"fp8\" to quantize while loading, or \"none\"")
+    if not method.prequantized and fp8:
+        raise QuantizationError(f"{ckpt.folder} is already FP8 ({fp8[0]!r}); {method.name!r} would re-quantize it",
+                                "use quantization = \"fp8-checkpoint\"")
+    for n in fp8:
+        if n + "_scale" not in ckpt.tensors and n + "_scale_inv" not in ckpt.tensors:
+            raise QuantizationError(f"FP8 tensor {n!r} in {ckpt.folder / ckpt.tensors[n].file} has no scale",
+                                    f"the checkpoint needs {n}_scale or {n}_scale_inv next to it")
+    for name, info in ckpt.tensors.items():       # every tensor must be covered by a rule
+        if not shard.SKIP.search(name) and not shard.SCALE.match(name):
+            shard.cut_for(name, info.shape, tp)
+    return method, dtype, tp
+
+
+def aliases(ckpt: Checkpoint) -> dict[str, str]:
+    """Tied weights the checkpoint stores once."""
+    if ckpt.dims.tie_word_embeddings and "lm_head.weight" not in ckpt.tensors:
+        return {"lm_head.weight": "model.embed_tokens.weight"}
+    return {}
+
+
+def plan(ckpt: Checkpoint, spec: WeightSpec) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of every output, computed on `meta` from the headers alone."""
+    def read(name: str, cut: shard.Cut | None) -> torch.Tensor:
+        info = ckpt.tensors[name]
+        t = torch.empty(info.shape, dtype=info.dtype, device="meta")
+        return t if cut is None else t.narrow(cut.dim, cut.start, cut.length)
+    return [(n, t.dtype, tuple(t.shape)) for n, t in derive(ckpt, spec, read, "meta")]
+
+
+def load_from_disk(spec: WeightSpec, device: str | torch.device = "cpu",
+                   ckpt: Checkpoint | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str], Fingerprint]:
+    """The disk path: this rank's tensors as ordinary tensors on `device`."""
+    ckpt = ckpt or open_checkpoint(spec.path)
+    plan(ckpt, spec)    # every error that headers can reveal, before any data is read
+    with tensor_reader(ckpt) as read:
+        tensors = dict(derive(ckpt, spec, read, device))
+    return tensors, aliases(ckpt), fingerprint(spec, ckpt)
+
+
+def materialize(spec: WeightSpec, device: str = "cpu", arena_limit: int | None = None,
+                progress: Callable[[int, int], None] | None = None,
+                ckpt: Checkpoint | None = None) -> tuple[Manifest, list[int]]:
+    """Fill arenas with this rank's tensors: returns the manifest and the sealed arena fds."""
+    ckpt = ckpt or open_checkpoint(spec.path)
+    entries, sizes = pack(plan(ckpt, spec), arena_limit)
+    by_name = {e.name: e for e in entries}
+    writers = [arenas.create(size, device, f"{ckpt.folder.name}-r{spec.rank}-{i}") for i, size in enumerate(sizes)]
+    done, total, final = 0, sum(e.nbytes for e in entries), []
+    try:
+        with tensor_reader(ckpt) as read:
+            for name, t in derive(ckpt, spec, read, _compute_device(device)):
+                e = by_name[name]
+                writers[e.arena].write(e.offset, t)
+                final.append(replace(e, checksum=checksum(t)))
+                done += e.nbytes
+                if progress:
+                    progress(done, total)
+        fds = [w.finish() for w in writers]
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    manifest = Manifest(fingerprint(spec, ckpt), tuple(ArenaEntry(s, device) for s in sizes),
+                        tuple(final), aliases(ckpt))
+    manifest.validate()
+    return manifest, fds
+
+
+def _compute_device(arena_device: str) -> str:
+    return "cpu" if arena_device == "cpu" else "cuda"

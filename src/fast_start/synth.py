@@ -1,0 +1,131 @@
+"""Synthetic checkpoints: real safetensors folders of a given architecture and size.
+
+Used by the demo, the benchmarks and the tests. The tensors are random but shaped, named,
+sharded and indexed as the real models of each family are, with a config.json that
+transformers and vLLM read.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+
+from . import quant
+from .checkpoint import INDEX, ModelDims, required_tensors
+
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+FP8_SCHEMES = {"tensor": (quant.to_fp8, "_scale"), "channel": (quant.to_fp8_channel, "_scale"),
+               "block": (quant.to_fp8_block, "_scale_inv")}
+
+
+@dataclass(frozen=True)
+class Shape:
+    architecture: str = "LlamaForCausalLM"
+    hidden_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 512
+    vocab_size: int = 1024
+    tie_word_embeddings: bool = False
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+
+    def dims(self) -> ModelDims:
+        sparse = tuple(range(self.num_layers)) if self.num_experts else ()
+        return ModelDims(self.architecture, self.num_layers, self.hidden_size, self.num_heads, self.num_kv_heads,
+                         self.head_dim, self.intermediate_size, self.vocab_size, self.tie_word_embeddings,
+                         self.num_experts, self.moe_intermediate_size or self.intermediate_size, sparse)
+
+    def config(self, fp8: str | None = None) -> dict:
+        c = {"architectures": [self.architecture], "model_type": MODEL_TYPES[self.architecture],
+             "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+             "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
+             "vocab_size": self.vocab_size, "tie_word_embeddings": self.tie_word_embeddings,
+             "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+             "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+        if self.architecture == "Qwen3MoeForCausalLM":
+            c.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                     num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+        if self.architecture == "MixtralForCausalLM":
+            c.update(num_local_experts=self.num_experts, num_experts_per_tok=2)
+        if fp8:
+            c["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                        **({"weight_block_size": [128, 128]} if fp8 == "block" else {})}
+        return c
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        ffn = self.moe_intermediate_size or self.intermediate_size
+        table = (
+            (r"embed_tokens|lm_head", (self.vocab_size, h)),
+            (r"q_proj\.weight", (q, h)), (r"[kv]_proj\.weight", (kv, h)), (r"o_proj\.weight", (h, q)),
+            (r"q_proj\.bias", (q,)), (r"[kv]_proj\.bias", (kv,)), (r"[qk]_norm", (self.head_dim,)),
+            (r"norm", (h,)),
+            (r"experts\.\d+\.(gate_proj|up_proj|w1|w3)", (ffn, h)), (r"experts\.\d+\.(down_proj|w2)", (h, ffn)),
+            (r"(gate|up)_proj", (self.intermediate_size, h)), (r"down_proj", (h, self.intermediate_size)),
+            (r"\.gate\.weight", (self.num_experts, h)),
+        )
+        return next(shape for pattern, shape in table if re.search(pattern, name))
+
+    def nbytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        total = 0
+        for name in required_tensors(self.dims()):
+            n = 1
+            for s in self.tensor_shape(name):
+                n *= s
+            total += n * dtype.itemsize
+        return total
+
+
+def llama_of_size(nbytes: int, hidden_size: int = 2048) -> Shape:
+    """A Llama-shaped bf16 model of about `nbytes`, growing by layers."""
+    base = Shape(hidden_size=hidden_size, num_heads=hidden_size // 128, num_kv_heads=max(hidden_size // 512, 1),
+                 head_dim=128, intermediate_size=hidden_size * 4 - hidden_size // 2, vocab_size=32000, num_layers=1)
+    per_layer = base.nbytes() - Shape(**{**base.__dict__, "num_layers": 0}).nbytes()
+    layers = max(1, round((nbytes - (base.nbytes() - per_layer)) / per_layer))
+    return Shape(**{**base.__dict__, "num_layers": layers})
+
+
+def write_checkpoint(folder: str | Path, shape: Shape = Shape(), *, files: int = 1, fp8: str | None = None,
+                     seed: int = 0, progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write config.json and `files` safetensors shards (with an index when more than one)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    names = required_tensors(shape.dims())
+    gen = torch.Generator().manual_seed(seed)
+    per_file = -(-len(names) // files)
+    weight_map, done, total = {}, 0, shape.nbytes()
+    for i in range(files):
+        fname = "model.safetensors" if files == 1 else f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        tensors = {}
+        for name in names[i * per_file:(i + 1) * per_file]:
+            t = _random(shape.tensor_shape(name), name, gen)
+            done += t.nbytes
+            if fp8 and quant.is_quantized(name):
+                fn, suffix = FP8_SCHEMES[fp8]
+                t, tensors[name + suffix] = fn(t)
+            tensors[name] = t
+        save_file(tensors, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in tensors})
+        if progress:
+            progress(done, total)
+    if files > 1:
+        (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    (folder / "config.json").write_text(json.dumps(shape.config(fp8), indent=1))
+    return folder
+
+
+def _random(shape: tuple[int, ...], name: str, gen: torch.Generator) -> torch.Tensor:
+    t = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if name.endswith("norm.weight"):
+        return (1 + 0.1 * t).to(torch.bfloat16)
+    return (0.05 * t).to(torch.bfloat16)

@@ -1,0 +1,46 @@
+"""Shared fixtures: real safetensors checkpoints generated once per test session."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fast_start import synth
+
+# Shaped so that every method works at TP 1, 2 and 4: shards are multiples of 128 rows and
+# columns (fp8-block), and TP 4 > 2 KV heads exercises GQA replication.
+LLAMA = synth.Shape(hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128,
+                    intermediate_size=1024, vocab_size=1024)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory):
+    """Llama-shaped, three shards with an index, untied embeddings."""
+    return synth.write_checkpoint(tmp_path_factory.mktemp("llama"), LLAMA, files=3)
+
+
+@pytest.fixture(scope="session")
+def llama_tied(tmp_path_factory):
+    shape = synth.Shape(**{**LLAMA.__dict__, "tie_word_embeddings": True})
+    return synth.write_checkpoint(tmp_path_factory.mktemp("llama-tied"), shape, files=2, seed=1)
+
+
+@pytest.fixture(scope="session", params=["tensor", "channel", "block"])
+def llama_fp8(request, tmp_path_factory):
+    """Pre-quantized FP8 checkpoints, one per scale scheme."""
+    return synth.write_checkpoint(tmp_path_factory.mktemp(f"llama-fp8-{request.param}"), LLAMA,
+                                  files=2, fp8=request.param, seed=2)
+
+
+@pytest.fixture
+def small(tmp_path):
+    """A tiny single-file Llama checkpoint in a fresh folder the test may break."""
+    return synth.write_checkpoint(tmp_path / "small", synth.Shape(num_layers=1))
