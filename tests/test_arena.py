@@ -119,3 +119,13 @@ def test_manifest_pointing_outside_its_arena_is_rejected(small):
     d["tensors"][1]["shape"] = [10**9]
     with pytest.raises(fast_start.FastStartError, match="does not match"):
         Manifest.from_json(json.dumps(d))
+
+
+def test_checksum_catches_a_flipped_bit_and_ignores_alignment():
+    from fast_start.manifest import checksum
+    t = torch.randn(10_001).to(torch.bfloat16)
+    flipped = t.clone()
+    flipped.view(torch.uint8)[5000] ^= 1
+    assert checksum(t) != checksum(flipped)
+    unaligned = torch.cat([torch.zeros(1, dtype=torch.bfloat16), t])[1:]   # data_ptr % 8 == 2
+    assert checksum(unaligned) == checksum(t)

@@ -100,8 +100,14 @@ def load_from_disk(spec: WeightSpec, device: str | torch.device = "cpu",
     ckpt = ckpt or open_checkpoint(spec.path)
     plan(ckpt, spec)    # every error that headers can reveal, before any data is read
     with tensor_reader(ckpt) as read:
-        tensors = dict(derive(ckpt, spec, read, device))
+        tensors = {n: _owned(t) for n, t in derive(ckpt, spec, read, device)}
     return tensors, aliases(ckpt), fingerprint(spec, ckpt)
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    # safetensors hands out views of its file mapping where no cast or copy happened. The engine
+    # must own its weights: a checkpoint rewritten in place would otherwise change them (or SIGBUS).
+    return t if t.untyped_storage().resizable() else t.clone()
 
 
 def materialize(spec: WeightSpec, device: str = "cpu", arena_limit: int | None = None,
