@@ -75,10 +75,12 @@ def assert_identical(a: dict, b: dict):
         assert torch.equal(raw(a[k]), raw(b[k])), k
 
 
+@pytest.mark.parametrize("fixture", ["llama", "llama_tied"])
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("tp,rank", TP_RANKS)
-def test_arena_and_disk_paths_are_bit_identical(llama, method, tp, rank):
-    spec = fast_start.WeightSpec(str(llama), tensor_parallel_size=tp, rank=rank, quantization=method)
+def test_arena_and_disk_paths_are_bit_identical(request, fixture, method, tp, rank):
+    folder = request.getfixturevalue(fixture)
+    spec = fast_start.WeightSpec(str(folder), tensor_parallel_size=tp, rank=rank, quantization=method)
     manifest, fds = materialize(spec)
     try:
         cache = from_arenas(manifest, fds)
