@@ -7,16 +7,26 @@ mappings are dropped.
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
+import socket
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from . import arena as arenas
-from .errors import FastStartError, LoadError
-from .fingerprint import Fingerprint, WeightSpec
+from . import protocol, trust
+from .checkpoint import open_checkpoint
+from .config import DEFAULT_SOCKET_DIR
+from .errors import CacheMiss, FastStartError, LoadError
+from .fingerprint import Fingerprint, WeightSpec, fingerprint
 from .manifest import Manifest
 from .materialize import load_from_disk
+
+log = logging.getLogger("fast_start")
 
 MODES = ("zero_copy", "copy")
 
@@ -31,6 +41,7 @@ class Weights(Mapping):
                  fingerprint: Fingerprint):
         self.tensors, self.aliases = tensors, aliases
         self.source, self.fingerprint = source, fingerprint
+        self.lease: int | None = None     # the daemon's lease id for cache weights
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[self.aliases.get(name, name)]
@@ -46,12 +57,107 @@ class Weights(Mapping):
 
 
 def fetch(spec: WeightSpec, device: str | torch.device = "cpu", mode: str = "zero_copy",
-          fallback: bool = True) -> Weights:
-    """This rank's weights on `device`: from the cache where a daemon holds them, else from disk."""
+          fallback: bool = True, socket_dir: str | None = None, connect_timeout: float = 5.0) -> Weights:
+    """This rank's weights on `device`: from a daemon's cache where one holds them, else from disk.
+
+    The daemon is looked for in `socket_dir`, else `$FAST_START_SOCKET_DIR`, else /run/fast-start.
+    A miss (no daemon, an untrusted one, a differing fingerprint, any error) loads from disk
+    with one log line naming the reason; with `fallback=False` it raises `CacheMiss` instead.
+    """
     if mode not in MODES:
         raise FastStartError(f"fetch mode {mode!r} is unknown", f"use one of {', '.join(MODES)}")
-    tensors, aliases, fp = load_from_disk(spec, device)
+    ckpt = open_checkpoint(spec.path)
+    want = fingerprint(spec, ckpt)
+    directory = Path(socket_dir or os.environ.get("FAST_START_SOCKET_DIR") or DEFAULT_SOCKET_DIR)
+    try:
+        return _from_cache(want, torch.device(device), mode, directory, connect_timeout)
+    except FastStartError as miss:
+        fields = getattr(miss, "fields", ())
+        if not fallback:
+            raise CacheMiss(miss.what, miss.fix, fields) from None
+        log.warning("fast-start: cache miss for %s rank %d (%s%s); loading from disk", spec.path, spec.rank,
+                    miss.what, f"; differing fields: {', '.join(fields)}" if fields else "")
+    tensors, aliases, fp = load_from_disk(spec, device, ckpt)
     return Weights(tensors, aliases, "disk", fp)
+
+
+def _from_cache(want: Fingerprint, device: torch.device, mode: str, directory: Path, timeout: float) -> Weights:
+    sockets = sorted(directory.glob("gpu*.sock")) if directory.is_dir() else []
+    if not sockets:
+        raise CacheMiss(f"no fast-start daemon socket in {directory}",
+                        "start the daemon (systemctl start fast-start@N) or pass socket_dir")
+    misses = []
+    for path in sockets:
+        try:
+            with connect(path, timeout) as conn:
+                welcome = request(conn, protocol.Hello(protocol.VERSION))
+                if welcome.device != _device_id(device):
+                    continue
+                reply, fds = request(conn, protocol.Acquire(want.to_dict(), mode), with_fds=True)
+                if isinstance(reply, protocol.Miss):
+                    misses.append(reply)
+                    continue
+                return _use(conn, reply, fds, want, mode)
+        except FastStartError as e:
+            misses.append(protocol.Miss(f"{path}: {e.what}"))
+        except OSError as e:
+            misses.append(protocol.Miss(f"{path}: {e.strerror or e}"))
+    if not misses:
+        raise CacheMiss(f"no daemon in {directory} serves device {_device_id(device)}", "check the daemon's config")
+    closest = min(misses, key=lambda m: (not m.fields, len(m.fields)))
+    raise CacheMiss(f"{closest.reason}" + (f" from model {closest.model!r}" if closest.model else ""),
+                    "run `fast-start fingerprints` to compare", tuple(closest.fields))
+
+
+def _use(conn: socket.socket, reply: protocol.Acquired, fds: list[int], want: Fingerprint, mode: str) -> Weights:
+    try:
+        manifest = Manifest.from_json(json.dumps(reply.manifest))
+        if manifest.fingerprint != want:
+            raise CacheMiss("the daemon answered with a different fingerprint", "report this as a bug",
+                            manifest.fingerprint.diff(want))
+        weights = from_arenas(manifest, fds, mode)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    weights.lease = reply.lease
+    if mode == "copy":      # our clones are independent: let the daemon apply on_release
+        request(conn, protocol.Release(reply.lease))
+    return weights
+
+
+def connect(path: Path, timeout: float) -> socket.socket:
+    """A connection to a daemon whose directory, socket and credentials we trust."""
+    trusted = trust.trusted_daemon_uids()
+    trust.check_socket_path(path, trusted)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    conn.settimeout(timeout)
+    try:
+        conn.connect(str(path))
+        server = trust.peer(conn)
+        if server.uid not in trusted:
+            raise trust.TrustError(f"{path} is served by uid {server.uid}, not a trusted daemon user",
+                                   "check which process owns the socket")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def request(conn: socket.socket, msg, with_fds: bool = False):
+    """Send one request and return its reply (and fds when asked for); daemon errors raise."""
+    protocol.send(conn, msg)
+    reply, fds = protocol.recv(conn, accept_fds=with_fds)
+    if reply is None:
+        raise protocol.ProtocolError("the daemon closed the connection", "see the daemon's log")
+    if isinstance(reply, protocol.Error):
+        for fd in fds:
+            os.close(fd)
+        raise FastStartError(reply.what, reply.fix)
+    return (reply, fds) if with_fds else reply
+
+
+def _device_id(device: torch.device) -> str:
+    return "cpu" if device.type == "cpu" else device.type
 
 
 def from_arenas(manifest: Manifest, fds: list[int], mode: str = "zero_copy") -> Weights:

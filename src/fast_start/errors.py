@@ -46,3 +46,7 @@ class CacheMiss(FastStartError):
     def __init__(self, what: str, fix: str = "", fields: tuple[str, ...] = ()):
         super().__init__(what, fix)
         self.fields = fields
+
+
+class NoDaemon(FastStartError):
+    """No daemon could be reached (or trusted) where one was expected."""

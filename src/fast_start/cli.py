@@ -1,0 +1,284 @@
+"""The `fast-start` command line.
+
+Exit codes are part of the interface (runbooks branch on them): 0 ok / match, 1 mismatch or
+not ready, 2 usage (including a bad config), 3 no daemon reachable. `fails` below is the one
+place where errors become one line and an exit code; no command prints a traceback.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import config as configs
+from . import daemon as daemons
+from . import protocol
+from .checkpoint import open_checkpoint
+from .client import connect, from_arenas, request
+from .config import ConfigError
+from .errors import FastStartError, NoDaemon
+from .fingerprint import Fingerprint, WeightSpec, checkpoint_hash, fingerprint
+from .manifest import Manifest, checksum
+from .materialize import load_from_disk
+from .trust import TrustError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Keep inference engines' weights resident on each GPU between restarts.")
+out = Console()
+err = Console(stderr=True)
+
+CONFIG = typer.Option(configs.DEFAULT_PATH, "--config", help="config file (finds the socket directory)")
+GPU = typer.Option(None, "--gpu", help="GPU index; all daemons in the socket directory when left out")
+JSON = typer.Option(False, "--json", help="machine-readable output")
+
+
+def fails(command):
+    """Map fast-start errors to one line on stderr and the documented exit code."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except ConfigError as e:
+            err.print(f"error: {e}", markup=False, highlight=False)
+            raise typer.Exit(2)
+        except (NoDaemon, TrustError) as e:
+            err.print(f"error: {e}", markup=False, highlight=False)
+            raise typer.Exit(3)
+        except FastStartError as e:
+            err.print(f"error: {e}", markup=False, highlight=False)
+            raise typer.Exit(1)
+    return wrapper
+
+
+def socket_dir(config: Path) -> str:
+    if os.environ.get("FAST_START_SOCKET_DIR"):
+        return os.environ["FAST_START_SOCKET_DIR"]
+    if config == configs.DEFAULT_PATH and not config.exists():
+        return configs.DEFAULT_SOCKET_DIR
+    return configs.load(config).daemon.socket_dir
+
+
+def gpus(directory: str, gpu: int | None) -> list[int]:
+    if gpu is not None:
+        return [gpu]
+    found = set()
+    for p in Path(directory).glob("gpu*.*") if Path(directory).is_dir() else []:
+        if p.suffix in (".sock", ".state") and p.stem[3:].isdigit():
+            found.add(int(p.stem[3:]))
+    if not found:
+        raise NoDaemon(f"no fast-start daemon in {directory}", "start one: systemctl start fast-start@N")
+    return sorted(found)
+
+
+def ask(directory: str, gpu: int, msg, with_fds: bool = False):
+    """One request to GPU `gpu`'s daemon; NoDaemon when it cannot be reached."""
+    path = daemons.socket_path(directory, gpu)
+    try:
+        conn = connect(path, timeout=10.0)
+    except (FileNotFoundError, ConnectionRefusedError, TrustError) as e:
+        raise NoDaemon(f"GPU {gpu}: no daemon reachable at {path} ({getattr(e, 'what', None) or e.strerror})",
+                       f"start it: systemctl start fast-start@{gpu}") from None
+    with conn:
+        request(conn, protocol.Hello(protocol.VERSION))
+        return request(conn, msg, with_fds)
+
+
+def emit(data, as_json: bool, human) -> None:
+    if as_json:
+        out.print_json(json.dumps(data))
+    else:
+        human(data)
+
+
+@app.command("daemon")
+@fails
+def daemon_cmd(gpu: int = typer.Option(..., "--gpu", help="the GPU this daemon serves"), config: Path = CONFIG):
+    """Run GPU N's daemon in the foreground (what fast-start@N.service runs)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    raise typer.Exit(daemons.run(str(config), gpu))
+
+
+@app.command()
+@fails
+def status(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON):
+    """State per GPU: loading (progress), ready or failed; models, bytes, fingerprints, leases."""
+    directory = socket_dir(config)
+    states = []
+    for g in gpus(directory, gpu):
+        try:
+            states.append(ask(directory, g, protocol.Status()).body)
+        except NoDaemon:
+            state_file = daemons.state_path(directory, g)
+            if not state_file.exists():
+                if gpu is not None:
+                    raise
+                continue
+            state = json.loads(state_file.read_text())
+            if not _alive(state["pid"]):
+                state.update(state="failed", error=state.get("error") or f"daemon pid {state['pid']} is not running")
+            states.append(state)
+    if not states:
+        raise NoDaemon(f"no fast-start daemon reachable in {directory}", "start one: systemctl start fast-start@N")
+    emit(states, as_json, _status_table)
+    if any(s["state"] != "ready" for s in states):
+        raise typer.Exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _status_table(states: list[dict]) -> None:
+    table = Table("GPU", "state", "model", "rank/TP", "GiB", "fingerprint", "fill s", "leases")
+    for s in states:
+        if s["state"] != "ready":
+            p = s.get("progress")
+            detail = f"{p['model']} {p['done'] / 2**30:.2f}/{p['total'] / 2**30:.2f} GiB" if p else s.get("error", "")
+            table.add_row(str(s["gpu"]), s["state"], detail, "", "", "", "", "")
+            continue
+        leases = s["leases"]
+        for m in s["models"] or [{}]:
+            held = [f"{l['pid']}:{l['mode']}" for l in leases if l["model"] == m.get("name")]
+            table.add_row(str(s["gpu"]), "ready", m.get("name", "(none)"),
+                          f"{m['rank']}/{m['tensor_parallel_size']}" if m else "",
+                          f"{m['bytes'] / 2**30:.2f}" if m else "", m.get("fingerprint", ""),
+                          str(m.get("fill_seconds", "")), " ".join(held) or "-")
+    out.print(table)
+
+
+@app.command()
+@fails
+def fingerprints(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON):
+    """The fingerprints each daemon holds, field by field."""
+    directory = socket_dir(config)
+    data = [ask(directory, g, protocol.Fingerprints()).body for g in gpus(directory, gpu)]
+
+    def human(data):
+        for d in data:
+            for m in d["models"]:
+                table = Table("field", "value", title=f"GPU {d['gpu']}: {m['name']} ({m['digest'][:16]})")
+                for k, v in m["fingerprint"].items():
+                    table.add_row(k, str(v))
+                out.print(table)
+    emit(data, as_json, human)
+
+
+@app.command("fingerprint")
+@fails
+def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
+                    tp: int = typer.Option(1, "--tp"), rank: int = typer.Option(0, "--rank"),
+                    dtype: str = typer.Option("bfloat16", "--dtype"),
+                    quantization: str = typer.Option("none", "--quantization"),
+                    layout: str = typer.Option("hf", "--layout"), revision: str = typer.Option("main", "--revision"),
+                    engine_version: str = typer.Option("", "--engine-version"), as_json: bool = JSON):
+    """Compute a checkpoint's fingerprint without a daemon."""
+    fp = fingerprint(WeightSpec(str(model), tp, rank, dtype, quantization, layout, revision, engine_version),
+                     open_checkpoint(model))
+    data = {"digest": fp.digest(), "fingerprint": fp.to_dict()}
+
+    def human(d):
+        table = Table("field", "value", title=f"fingerprint {d['digest'][:16]}")
+        for k, v in d["fingerprint"].items():
+            table.add_row(k, str(v))
+        out.print(table)
+    emit(data, as_json, human)
+
+
+@app.command()
+@fails
+def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"), gpu: Optional[int] = GPU,
+           deep: bool = typer.Option(False, "--deep", help="re-derive the bytes from disk and compare checksums"),
+           config: Path = CONFIG, as_json: bool = JSON):
+    """Does the cache match this checkpoint? Exit 0 on a match, 1 on a mismatch or nothing cached."""
+    directory = socket_dir(config)
+    ckpt = open_checkpoint(model)
+    results = []
+    for g in gpus(directory, gpu):
+        for m in ask(directory, g, protocol.Fingerprints()).body["models"]:
+            stored = Fingerprint.from_dict(m["fingerprint"])
+            if Path(m["path"]).resolve() != model.resolve() and stored.checkpoint != checkpoint_hash(ckpt):
+                continue
+            spec = WeightSpec(str(model), stored.tensor_parallel_size, stored.rank, stored.dtype, stored.quantization,
+                              stored.layout.split("/")[0], stored.revision, stored.engine_version)
+            fields = list(stored.diff(fingerprint(spec, ckpt)))
+            result = {"gpu": g, "model": m["name"], "match": not fields, "fields": fields}
+            if deep and not fields:
+                result["tensors_differing"] = _deep_compare(directory, g, stored, spec)
+                result["match"] = not result["tensors_differing"]
+            results.append(result)
+
+    def human(rs):
+        if not rs:
+            out.print(f"{model}: not cached by any daemon in {directory}")
+        for r in rs:
+            why = f"differs in {', '.join(r['fields'])}" if r["fields"] else \
+                f"{len(r.get('tensors_differing', []))} tensors differ" if not r["match"] else "match"
+            out.print(f"GPU {r['gpu']} {r['model']}: {why}" + (" (deep)" if deep and not r["fields"] else ""))
+    emit(results, as_json, human)
+    if not results or not all(r["match"] for r in results):
+        raise typer.Exit(1)
+
+
+def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpec) -> list[str]:
+    """Names of tensors whose cached bytes or disk-derived bytes differ from the manifest's checksums."""
+    reply, fds = ask(directory, gpu, protocol.Acquire(stored.to_dict(), "zero_copy"), with_fds=True)
+    if isinstance(reply, protocol.Miss):
+        return [f"(cache miss: {reply.reason})"]
+    manifest = Manifest.from_json(json.dumps(reply.manifest))
+    try:
+        cached = from_arenas(manifest, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    disk, _, _ = load_from_disk(spec)
+    return [e.name for e in manifest.tensors
+            if checksum(cached[e.name]) != e.checksum or e.name not in disk or checksum(disk[e.name]) != e.checksum]
+
+
+@app.command()
+@fails
+def evict(gpu: int = typer.Option(..., "--gpu"), model: Optional[str] = typer.Option(None, "--model"),
+          config: Path = CONFIG, as_json: bool = JSON):
+    """Drop a model (or all) from a GPU's cache; engines that map it keep working."""
+    body = ask(socket_dir(config), gpu, protocol.Evict(model or "")).body
+    emit(body, as_json, lambda b: out.print(f"GPU {gpu}: evicted {', '.join(b['evicted']) or 'nothing'}"))
+
+
+@app.command()
+@fails
+def evictions(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON):
+    """Recent evictions with their reason (manual, release, ...)."""
+    directory = socket_dir(config)
+    data = [ask(directory, g, protocol.Evictions()).body for g in gpus(directory, gpu)]
+
+    def human(data):
+        table = Table("GPU", "time", "model", "reason", "GiB", "leases then")
+        for d in data:
+            for e in d["evictions"]:
+                table.add_row(str(d["gpu"]), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["time"])),
+                              e["model"], e["reason"], f"{e['bytes'] / 2**30:.2f}", str(e["leases"]))
+        out.print(table)
+    emit(data, as_json, human)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

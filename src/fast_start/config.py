@@ -1,0 +1,196 @@
+"""The TOML config (`/etc/fast-start/fast-start.toml`) as one frozen dataclass tree.
+
+Validated once, at daemon start, before any checkpoint is touched: unknown keys, wrong types and
+impossible values each fail with one message naming the file, the key and the fix.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+
+from . import quant
+from .errors import FastStartError
+from .fingerprint import LAYOUTS, WeightSpec
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+DEFAULT_PATH = Path("/etc/fast-start/fast-start.toml")
+DEFAULT_SOCKET_DIR = "/run/fast-start"
+ON_RELEASE = ("keep", "drop")     # "host" (demote to host RAM) is planned, not built
+DEVICES = ("cuda", "cpu")
+
+
+class ConfigError(FastStartError):
+    """The config file is unusable; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    socket_dir: str = DEFAULT_SOCKET_DIR
+    device: str = "cuda"
+    on_release: str = "keep"
+    memory_budget: str = "95%"
+    allowed_uids: tuple[int, ...] = ()      # besides the daemon's own uid
+    allowed_groups: tuple[str, ...] = ()    # members may connect; the socket becomes group-accessible
+    fill_bandwidth: str = "0"               # bytes/s the fill may read; "0" = unlimited
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    path: str
+    gpus: tuple[int, ...]
+    tensor_parallel_size: int = 1
+    rank_offset: int = 0
+    dtype: str = "bfloat16"
+    quantization: str = "none"
+    layout: str = "hf"
+    revision: str = "main"
+    engine_version: str = ""
+
+    def spec(self, gpu: int) -> WeightSpec:
+        """The weights GPU `gpu` serves for this model."""
+        return WeightSpec(self.path, self.tensor_parallel_size, self.gpus.index(gpu) + self.rank_offset,
+                          self.dtype, self.quantization, self.layout, self.revision, self.engine_version)
+
+
+@dataclass(frozen=True)
+class Config:
+    path: str
+    daemon: DaemonConfig
+    models: tuple[ModelConfig, ...]
+
+    def models_on(self, gpu: int) -> tuple[ModelConfig, ...]:
+        return tuple(m for m in self.models if gpu in m.gpus)
+
+
+def load(path: str | Path = DEFAULT_PATH) -> Config:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist",
+                          f"create it (see etc/fast-start/fast-start.toml) or pass --config") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}", "check its permissions") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}", "fix the syntax at that line") from None
+    return parse(data, str(path))
+
+
+def parse(data: dict, path: str) -> Config:
+    unknown = set(data) - {"daemon", "model"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown section or key {sorted(unknown)[0]!r}",
+                          "the config has a [daemon] table and [[model]] tables only")
+    daemon = _table(DaemonConfig, data.get("daemon", {}), path, "[daemon]")
+    models = data.get("model", [])
+    if not isinstance(models, list):
+        raise ConfigError(f"{path}: 'model' must be an array of tables", "write each model as [[model]]")
+    parsed = tuple(_table(ModelConfig, m, path, f"[[model]] #{i + 1}") for i, m in enumerate(models))
+    _check_daemon(daemon, path)
+    names = set()
+    for i, m in enumerate(parsed):
+        where = f"{path}: [[model]] #{i + 1} ({m.name!r})"
+        if m.name in names:
+            raise ConfigError(f"{where}: name {m.name!r} is used twice", "give every model its own name")
+        names.add(m.name)
+        _check_model(m, where)
+    return Config(path, daemon, parsed)
+
+
+def parse_bytes(text: str, total: int | None = None) -> int:
+    """"120GiB", "500MB", "1048576", or (with `total`) "95%" -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(%|[KMGT]i?B|B)?\s*", text)
+    if not m or (m.group(2) == "%" and total is None):
+        raise ValueError(text)
+    value, unit = float(m.group(1)), m.group(2) or "B"
+    if unit == "%":
+        return int(total * value / 100)
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
+    return int(value * scale)
+
+
+def _table(cls, raw, path: str, where: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: {where} must be a table", f"write it as {where.split(' #')[0]}")
+    known = {f.name: f for f in fields(cls)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{path}: {where} has unknown key {key!r}",
+                              f"remove it or use one of {', '.join(known)}")
+    missing = [f.name for f in fields(cls) if f.name not in raw and f.default is MISSING]
+    if missing:
+        raise ConfigError(f"{path}: {where} lacks key {missing[0]!r}", f"add {missing[0]} = ...")
+    values = {}
+    for key, value in raw.items():
+        values[key] = _typed(value, known[key].type, f"{path}: {where} key {key!r}")
+    return cls(**values)
+
+
+def _typed(value, annotation: str, where: str):
+    """Check a TOML value against a field's annotation (kept as a string by `annotations`)."""
+    if annotation == "str":
+        ok = isinstance(value, str)
+    elif annotation == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif annotation.startswith("tuple[int"):
+        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        value = tuple(value) if ok else value
+    else:  # tuple[str, ...]
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        value = tuple(value) if ok else value
+    if not ok:
+        kind = {"str": "a string", "int": "an integer"}.get(annotation, "a list of " + annotation[6:9] + "s")
+        raise ConfigError(f"{where} is {value!r}, not {kind}", f"write it as {kind}")
+    return value
+
+
+def _check_daemon(d: DaemonConfig, path: str) -> None:
+    def bad(key, what, fix):
+        raise ConfigError(f"{path}: [daemon] key {key!r} {what}", fix)
+    if d.device not in DEVICES:
+        bad("device", f"is {d.device!r}", f"use one of {', '.join(DEVICES)}")
+    if d.on_release not in ON_RELEASE:
+        bad("on_release", f"is {d.on_release!r}", f"use one of {', '.join(ON_RELEASE)}"
+            + (" (the host-memory tier is not built yet)" if d.on_release == "host" else ""))
+    if not Path(d.socket_dir).is_absolute():
+        bad("socket_dir", f"is {d.socket_dir!r}, not an absolute path", "use an absolute path such as /run/fast-start")
+    for key, total in (("memory_budget", 1), ("fill_bandwidth", None)):
+        try:
+            parse_bytes(getattr(d, key), total)
+        except ValueError:
+            bad(key, f"is {getattr(d, key)!r}", 'write bytes ("120GiB", "500MB")' + (' or a share ("95%")' if total else ""))
+
+
+def _check_model(m: ModelConfig, where: str) -> None:
+    def bad(key, what, fix):
+        raise ConfigError(f"{where} key {key!r} {what}", fix)
+    if not m.gpus:
+        bad("gpus", "is empty", "list the GPU indices that serve this model, e.g. gpus = [0]")
+    if len(set(m.gpus)) != len(m.gpus) or min(m.gpus) < 0:
+        bad("gpus", f"{list(m.gpus)} lists a GPU twice or a negative index", "list each GPU once")
+    if m.tensor_parallel_size < 1:
+        bad("tensor_parallel_size", f"is {m.tensor_parallel_size}", "use 1 or more")
+    if m.rank_offset < 0 or m.rank_offset + len(m.gpus) > m.tensor_parallel_size:
+        bad("rank_offset", f"{m.rank_offset} with {len(m.gpus)} GPUs serves ranks beyond "
+            f"{m.tensor_parallel_size - 1}", "serve at most tensor_parallel_size ranks: fix gpus or rank_offset")
+    if m.dtype not in quant.DTYPES:
+        bad("dtype", f"is {m.dtype!r}", f"use one of {', '.join(quant.DTYPES)}")
+    if m.layout not in LAYOUTS:
+        bad("layout", f"is {m.layout!r}", f"use one of {', '.join(LAYOUTS)}")
+    if m.quantization not in quant.METHODS:
+        bad("quantization", f"is {m.quantization!r}", f"use one of {', '.join(quant.METHODS)}")
+    if not quant.METHODS[m.quantization].verified_for_sharing:
+        verified = [n for n, x in quant.METHODS.items() if x.verified_for_sharing]
+        bad("quantization", f"{m.quantization!r} is not verified for sharing", f"use one of {', '.join(verified)}")
+    folder = Path(m.path)
+    if not folder.is_dir() or not any(folder.glob("*.safetensors")):
+        bad("path", f"{m.path!r} is not a folder holding *.safetensors files",
+            "point it at the model's folder (with config.json and the safetensors shards)")

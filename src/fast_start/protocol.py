@@ -1,0 +1,229 @@
+"""The wire protocol between engines, the CLI, the daemon and its fill worker.
+
+Frames are a 4-byte big-endian length and a UTF-8 JSON object with a `kind`; each kind is a
+dataclass below and `decode` accepts exactly its fields with their types. File descriptors ride
+on a frame as `SCM_RIGHTS`. There is no pickle anywhere: a frame can only ever become one of
+these dataclasses.
+
+Trust model: the socket lives in a directory only the daemon's user (and an optional group) can
+enter; the daemon checks every peer's uid/gid with `SO_PEERCRED` before reading a byte, and a
+client checks the directory, the socket and the daemon's credentials before sending one. An
+arena fd is a read capability for that model's weights and is only ever sent to a peer that
+passed this check. Inside that boundary peers are still not trusted to be well-formed: any
+frame may be garbage, oversized, truncated or slow, and gets an error reply or a closed
+connection, never a crash or a stall of other connections. Fds sent *to* the daemon are closed
+unread.
+"""
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+from dataclasses import asdict, dataclass, field, fields
+
+from .errors import FastStartError
+
+VERSION = 1
+MAX_REQUEST = 1 << 20          # what the daemon reads from a client
+MAX_REPLY = 256 << 20          # manifests of large MoE models run to megabytes
+MAX_FDS = 1024
+_HEADER = 4
+
+
+class ProtocolError(FastStartError):
+    """A frame was malformed or of an unexpected kind; the stream is still in step."""
+
+
+class FramingError(ProtocolError):
+    """A frame was oversized or truncated: the stream is out of step and must be closed."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    protocol: int
+    kind: str = "hello"
+
+
+@dataclass(frozen=True)
+class Status:
+    kind: str = "status"
+
+
+@dataclass(frozen=True)
+class Fingerprints:
+    kind: str = "fingerprints"
+
+
+@dataclass(frozen=True)
+class Acquire:
+    fingerprint: dict
+    mode: str
+    kind: str = "acquire"
+
+
+@dataclass(frozen=True)
+class Release:
+    lease: int
+    kind: str = "release"
+
+
+@dataclass(frozen=True)
+class Evict:
+    model: str = ""               # "" evicts every model
+    kind: str = "evict"
+
+
+@dataclass(frozen=True)
+class Evictions:
+    kind: str = "evictions"
+
+
+@dataclass(frozen=True)
+class Welcome:
+    protocol: int
+    device: str                   # "cpu", or the GPU's UUID
+    gpu: int
+    pid: int
+    kind: str = "welcome"
+
+
+@dataclass(frozen=True)
+class Report:
+    body: dict
+    kind: str = "report"
+
+
+@dataclass(frozen=True)
+class Acquired:
+    lease: int
+    model: str
+    manifest: dict
+    kind: str = "acquired"
+
+
+@dataclass(frozen=True)
+class Miss:
+    reason: str
+    fields: list = field(default_factory=list)   # differing fingerprint fields of the closest model
+    model: str = ""
+    kind: str = "miss"
+
+
+@dataclass(frozen=True)
+class Error:
+    what: str
+    fix: str = ""
+    kind: str = "error"
+
+
+@dataclass(frozen=True)
+class Progress:                   # worker -> daemon during a fill
+    model: str
+    rank: int
+    done: int
+    total: int
+    kind: str = "progress"
+
+
+@dataclass(frozen=True)
+class Filled:                     # worker -> daemon, with the arena fds
+    model: str
+    manifest: dict
+    seconds: float
+    kind: str = "filled"
+
+
+KINDS = {c.__dataclass_fields__["kind"].default: c for c in (
+    Hello, Status, Fingerprints, Acquire, Release, Evict, Evictions, Welcome, Report, Acquired, Miss, Error,
+    Progress, Filled)}
+REQUESTS = ("hello", "status", "fingerprints", "acquire", "release", "evict", "evictions")
+_TYPES = {"int": int, "str": str, "dict": dict, "list": list, "float": (int, float)}
+
+
+def encode(msg) -> bytes:
+    data = json.dumps(asdict(msg), separators=(",", ":")).encode()
+    return len(data).to_bytes(_HEADER, "big") + data
+
+
+def decode(data: bytes, allowed: tuple[str, ...] | None = None):
+    """Bytes of one frame's body -> its dataclass; `ProtocolError` naming what was wrong."""
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ProtocolError(f"frame is not UTF-8 JSON: {str(e)[:80]}", "send a JSON object with a 'kind'") from None
+    if not isinstance(obj, dict) or obj.get("kind") not in KINDS:
+        raise ProtocolError(f"frame has no known kind (got {str(obj.get('kind') if isinstance(obj, dict) else obj)[:40]!r})",
+                            f"use one of {', '.join(REQUESTS)}")
+    if allowed is not None and obj["kind"] not in allowed:
+        raise ProtocolError(f"a {obj['kind']!r} frame is not expected here", f"send one of {', '.join(allowed)}")
+    cls = KINDS[obj["kind"]]
+    known = {f.name: f for f in fields(cls)}
+    for key, value in obj.items():
+        if key not in known:
+            raise ProtocolError(f"{obj['kind']!r} frame has unknown field {key!r}", f"fields are {', '.join(known)}")
+        want = _TYPES[known[key].type]
+        if not isinstance(value, want) or isinstance(value, bool):
+            raise ProtocolError(f"{obj['kind']!r} field {key!r} has the wrong type", f"send {known[key].type}")
+    try:
+        return cls(**obj)
+    except TypeError as e:
+        raise ProtocolError(f"{obj['kind']!r} frame lacks a field: {e}", f"fields are {', '.join(known)}") from None
+
+
+def send(sock: socket.socket, msg, fds: list[int] | tuple[int, ...] = ()) -> None:
+    """Send one frame; `fds` ride on its first byte."""
+    data = encode(msg)
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+    sent = sock.sendmsg([data], ancillary)
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def recv(sock: socket.socket, max_size: int = MAX_REPLY, allowed: tuple[str, ...] | None = None,
+         accept_fds: bool = True):
+    """Receive one frame: (message, fds). EOF before a frame starts gives (None, [])."""
+    fds: list[int] = []
+    try:
+        head = _read(sock, _HEADER, fds, allow_eof=True)
+        if head is None:
+            return None, []
+        size = int.from_bytes(head, "big")
+        if size > max_size:
+            raise FramingError(f"frame of {size} bytes exceeds the {max_size}-byte limit", "send a smaller frame")
+        msg = decode(_read(sock, size, fds), allowed)
+    except BaseException:
+        _close(fds)
+        raise
+    if fds and not accept_fds:
+        _close(fds)
+        fds = []
+    return msg, fds
+
+
+def _read(sock: socket.socket, n: int, fds: list[int], allow_eof: bool = False) -> bytes | None:
+    buf = bytearray()
+    space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+    while len(buf) < n:
+        data, anc, flags, _ = sock.recvmsg(n - len(buf), space, socket.MSG_CMSG_CLOEXEC)
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(payload[:len(payload) - len(payload) % got.itemsize])
+                fds.extend(got)
+        if flags & socket.MSG_CTRUNC:
+            raise FramingError("more file descriptors than the receiver accepts", f"send at most {MAX_FDS}")
+        if not data:
+            if allow_eof and not buf:
+                return None
+            raise FramingError(f"connection closed after {len(buf)} of {n} bytes", "send whole frames")
+        buf += data
+    return bytes(buf)
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -1,0 +1,66 @@
+"""The fill worker: a child process of the daemon that materializes arenas and exits.
+
+It holds the compute context (on CUDA, the only process that ever does), reads the checkpoints,
+casts, quantizes and shards them into arenas, and sends each model's manifest with its arena
+fds back over a socketpair. The daemon keeps nothing but those fds, so a crash in here costs
+a fill, never the serving process.
+
+Run as `python -m fast_start.worker FD JOBS_JSON`; JOBS_JSON is a list of
+{"model": name, "spec": WeightSpec fields, "device": "cpu"|"cuda", "bandwidth": bytes/s}.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+from . import protocol
+from .errors import FastStartError
+from .fingerprint import WeightSpec
+from .materialize import materialize
+
+PROGRESS_EVERY = 0.2   # seconds between progress frames
+
+
+def fill(sock: socket.socket, job: dict) -> None:
+    spec = WeightSpec(**job["spec"])
+    bandwidth, start, last = job.get("bandwidth", 0), time.monotonic(), [0.0]
+
+    def progress(done: int, total: int) -> None:
+        if bandwidth:   # an operator's cap on read bandwidth (shared storage, many daemons at once)
+            time.sleep(max(0.0, done / bandwidth - (time.monotonic() - start)))
+        now = time.monotonic()
+        if now - last[0] >= PROGRESS_EVERY or done == total:
+            last[0] = now
+            protocol.send(sock, protocol.Progress(job["model"], spec.rank, done, total))
+
+    manifest, fds = materialize(spec, job["device"], progress=progress)
+    try:
+        protocol.send(sock, protocol.Filled(job["model"], json.loads(manifest.to_json()),
+                                            time.monotonic() - start), fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def main(argv: list[str]) -> int:
+    sock = socket.socket(fileno=int(argv[0]))
+    try:
+        for job in json.loads(argv[1]):
+            fill(sock, job)
+    except FastStartError as e:
+        protocol.send(sock, protocol.Error(e.what, e.fix))
+        return 1
+    except Exception as e:     # a bug: report it to the daemon, keep the traceback in the journal
+        traceback.print_exc()
+        protocol.send(sock, protocol.Error(f"fill worker failed: {type(e).__name__}: {e}",
+                                           "see the daemon's log for the traceback"))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
