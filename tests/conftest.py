@@ -44,3 +44,18 @@ def llama_fp8(request, tmp_path_factory):
 def small(tmp_path):
     """A tiny single-file Llama checkpoint in a fresh folder the test may break."""
     return synth.write_checkpoint(tmp_path / "small", synth.Shape(num_layers=1))
+
+
+@pytest.fixture
+def daemons(tmp_path):
+    """Start real daemons: `daemons(config, gpu)`; all are stopped at the end of the test."""
+    from daemons import Daemon
+    started = []
+
+    def start(config, gpu=0, env=None, wait=True):
+        d = Daemon(tmp_path, config, gpu, env)
+        started.append(d)
+        return d.wait_ready() if wait else d
+    yield start
+    for d in started:
+        d.stop()

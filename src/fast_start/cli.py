@@ -34,7 +34,6 @@ from .trust import TrustError
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Keep inference engines' weights resident on each GPU between restarts.")
 out = Console()
-err = Console(stderr=True)
 
 CONFIG = typer.Option(configs.DEFAULT_PATH, "--config", help="config file (finds the socket directory)")
 GPU = typer.Option(None, "--gpu", help="GPU index; all daemons in the socket directory when left out")
@@ -47,15 +46,9 @@ def fails(command):
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except ConfigError as e:
-            err.print(f"error: {e}", markup=False, highlight=False)
-            raise typer.Exit(2)
-        except (NoDaemon, TrustError) as e:
-            err.print(f"error: {e}", markup=False, highlight=False)
-            raise typer.Exit(3)
         except FastStartError as e:
-            err.print(f"error: {e}", markup=False, highlight=False)
-            raise typer.Exit(1)
+            print(f"error: {e}", file=sys.stderr)     # one line, never wrapped or highlighted
+            raise typer.Exit(2 if isinstance(e, ConfigError) else 3 if isinstance(e, (NoDaemon, TrustError)) else 1)
     return wrapper
 
 

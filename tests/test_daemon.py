@@ -1,0 +1,270 @@
+"""The daemon as a real process: readiness, serving, misses, leases, evictions, signals."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import fast_start
+from fast_start import protocol
+from fast_start.client import connect, request
+from fast_start.errors import CacheMiss
+from daemons import write_config
+
+METHODS = ["none", "fp8", "fp8-channel", "fp8-block"]
+
+
+def model(name, path, gpus=(0,), **kw):
+    return {"name": name, "path": str(path), "gpus": list(gpus), "engine_version": "test", **kw}
+
+
+def status(d) -> dict:
+    with connect(d.socket, 5) as conn:
+        request(conn, protocol.Hello(protocol.VERSION))
+        return request(conn, protocol.Status()).body
+
+
+def raw(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_ready_comes_after_every_model_is_cached_and_the_socket_exists(tmp_path, llama, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("llama", llama)], fill_bandwidth="8MB")
+    d = daemons(cfg, wait=False)
+    t_ready, _, socket_existed = d.listener.wait_for("READY=1", 120)
+    assert socket_existed, "READY before the socket was bound"
+    before = [(t, m, e) for t, m, e in d.listener.messages if t < t_ready]
+    progress = [m for _, m, _ in before if m.startswith("STATUS=filling llama rank 0:")]
+    assert len(progress) >= 3, d.listener.texts()          # the fill takes ~2 s at 8 MB/s
+    assert len([m for _, m, _ in before if m.startswith("EXTEND_TIMEOUT_USEC=")]) >= 2
+    assert not any(e for _, _, e in before), "the socket existed before READY"
+    s = status(d)
+    assert s["state"] == "ready" and [m["name"] for m in s["models"]] == ["llama"]
+    assert s["models"][0]["bytes"] > 10 * 2**20
+
+
+def test_cache_fetch_is_bit_identical_to_disk_for_every_method_and_rank(tmp_path, llama, daemons):
+    models = [model(f"{q}-tp{tp}", llama, gpus=range(tp), tensor_parallel_size=tp, quantization=q)
+              for q in METHODS for tp in (1, 2, 4)]
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", models)
+    for gpu in range(4):
+        daemons(cfg, gpu)
+    for q in METHODS:
+        for tp in (1, 2, 4):
+            for rank in range(tp):
+                spec = fast_start.WeightSpec(str(llama), tp, rank, quantization=q, engine_version="test")
+                cache = fast_start.fetch(spec, socket_dir=str(tmp_path / "run"), fallback=False)
+                disk = fast_start.fetch(spec, socket_dir=str(tmp_path / "nowhere"))
+                assert cache.source == "cache" and disk.source == "disk"
+                assert cache.keys() == disk.keys()
+                for name in disk:
+                    assert torch.equal(raw(cache[name]), raw(disk[name])), (q, tp, rank, name)
+
+
+@pytest.mark.parametrize("change,fields", [
+    ({"engine_version": "other"}, {"engine_version"}),
+    ({"dtype": "float16"}, {"dtype"}),
+    ({"tensor_parallel_size": 2}, {"tensor_parallel_size"}),
+])
+def test_mismatch_falls_back_to_disk_naming_the_fields(tmp_path, llama, daemons, caplog, change, fields):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("llama", llama)])
+    daemons(cfg)
+    spec = fast_start.WeightSpec(str(llama), engine_version="test")
+    spec = fast_start.WeightSpec(**{**spec.__dict__, **change})
+    with caplog.at_level(logging.WARNING, logger="fast_start"):
+        w = fast_start.fetch(spec, socket_dir=str(tmp_path / "run"))
+    assert w.source == "disk"
+    assert any(f"differing fields: {', '.join(sorted(fields))}" in r.getMessage() for r in caplog.records), caplog.text
+    with pytest.raises(CacheMiss) as err:
+        fast_start.fetch(spec, socket_dir=str(tmp_path / "run"), fallback=False)
+    assert set(err.value.fields) == fields
+
+
+def test_different_checkpoint_is_a_miss_on_the_checkpoint_field(tmp_path, llama, llama_tied, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("llama", llama)])
+    daemons(cfg)
+    with pytest.raises(CacheMiss) as err:
+        fast_start.fetch(fast_start.WeightSpec(str(llama_tied), engine_version="test"),
+                         socket_dir=str(tmp_path / "run"), fallback=False)
+    assert "checkpoint" in err.value.fields
+
+
+def test_no_daemon_falls_back_and_fallback_false_raises(tmp_path, small):
+    spec = fast_start.WeightSpec(str(small))
+    assert fast_start.fetch(spec, socket_dir=str(tmp_path)).source == "disk"
+    with pytest.raises(CacheMiss, match="no fast-start daemon socket"):
+        fast_start.fetch(spec, socket_dir=str(tmp_path), fallback=False)
+
+
+def test_copy_mode_releases_and_drop_evicts(tmp_path, small, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)], on_release="drop")
+    d = daemons(cfg)
+    spec = fast_start.WeightSpec(str(small), engine_version="test")
+    w = fast_start.fetch(spec, socket_dir=str(tmp_path / "run"), mode="copy", fallback=False)
+    assert w.source == "cache"
+    w["model.norm.weight"].add_(1)                       # ours to write
+    s = status(d)
+    assert s["models"] == [] and s["leases"] == []
+    with connect(d.socket, 5) as conn:
+        request(conn, protocol.Hello(protocol.VERSION))
+        evictions = request(conn, protocol.Evictions()).body["evictions"]
+    assert [(e["model"], e["reason"]) for e in evictions] == [("small", "release")]
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time, torch, fast_start
+    from fast_start.manifest import checksum
+    spec = fast_start.WeightSpec(sys.argv[1], engine_version="test")
+    w = fast_start.fetch(spec, socket_dir=sys.argv[2], fallback=False)
+    before = {n: checksum(t) for n, t in w.items()}
+    print("mapped", flush=True)
+    sys.stdin.readline()                       # the test evicts meanwhile
+    print("same" if before == {n: checksum(t) for n, t in w.items()} else "changed", flush=True)
+""")
+
+
+def test_evicting_a_mapped_model_leaves_the_engine_tensors_valid(tmp_path, small, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
+    d = daemons(cfg)
+    engine = subprocess.Popen([sys.executable, "-c", HOLDER, str(small), str(tmp_path / "run")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert engine.stdout.readline().strip() == "mapped"
+    assert [l["pid"] for l in status(d)["leases"]] == [engine.pid]
+    with connect(d.socket, 5) as conn:
+        request(conn, protocol.Hello(protocol.VERSION))
+        assert request(conn, protocol.Evict("small")).body == {"evicted": ["small"]}
+        ev = request(conn, protocol.Evictions()).body["evictions"]
+    assert ev[0]["reason"] == "manual" and ev[0]["leases"] == 1
+    out, _ = engine.communicate("go\n", timeout=60)
+    assert out.strip() == "same"
+    deadline = time.monotonic() + 10
+    while status(d)["leases"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert status(d)["leases"] == []                        # the engine exited: its lease is gone
+
+
+KILLED = textwrap.dedent("""
+    import os, signal, socket, sys
+    from fast_start import protocol
+    from fast_start.client import connect, request
+    from fast_start.fingerprint import WeightSpec, fingerprint
+    from fast_start.checkpoint import open_checkpoint
+    fp = fingerprint(WeightSpec(sys.argv[1], engine_version="test"), open_checkpoint(sys.argv[1]))
+    conn = connect(sys.argv[2], 5)
+    request(conn, protocol.Hello(protocol.VERSION))
+    protocol.send(conn, protocol.Acquire(fp.to_dict(), "zero_copy"))
+    os.kill(os.getpid(), signal.SIGKILL)        # dies with the reply (and its fds) unread
+""")
+
+
+def test_client_killed_mid_acquire_leaves_no_lease(tmp_path, small, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
+    d = daemons(cfg)
+    for _ in range(5):
+        p = subprocess.run([sys.executable, "-c", KILLED, str(small), str(d.socket)], timeout=60)
+        assert p.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while status(d)["leases"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert status(d)["leases"] == []
+    assert fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"),
+                            socket_dir=str(tmp_path / "run"), fallback=False).source == "cache"
+
+
+ENGINE = textwrap.dedent("""
+    import sys, fast_start
+    from fast_start.manifest import checksum
+    w = fast_start.fetch(fast_start.WeightSpec(sys.argv[1], engine_version="test"), socket_dir=sys.argv[2],
+                         fallback=False)
+    print(w.source, checksum(w["model.layers.0.mlp.down_proj.weight"]))
+""")
+
+
+def test_32_engines_fetch_at_once(tmp_path, small, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
+    daemons(cfg)
+    procs = [subprocess.Popen([sys.executable, "-c", ENGINE, str(small), str(tmp_path / "run")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(32)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1][-500:] for r in results if r[1]]
+    lines = {r[0].strip() for r in results}
+    assert len(lines) == 1 and lines.pop().startswith("cache ")
+
+
+def test_bad_frames_get_errors_and_the_daemon_keeps_serving(tmp_path, small, daemons):
+    import random
+    import socket
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
+    d = daemons(cfg)
+    rng = random.Random(0)
+    sent = errors = closed = 0
+    while sent < 10_000:
+        with connect(d.socket, 5) as conn:
+            for _ in range(rng.randint(1, 200)):
+                sent += 1
+                kind = rng.random()
+                if kind < 0.6:      # random bytes in a well-formed frame
+                    body = bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))
+                elif kind < 0.9:    # JSON that is not a valid message
+                    body = json.dumps(rng.choice([{"kind": "acquire", "fingerprint": 3, "mode": "x"},
+                                                  {"kind": "release"}, {"kind": "evict", "model": 7},
+                                                  [1, 2], {"kind": "welcome", "protocol": 1, "device": "cpu",
+                                                           "gpu": 0, "pid": 1}, "x" * 100,
+                                                  {"kind": "hello", "protocol": 99}])).encode()
+                else:               # oversize or truncated: the connection ends
+                    if rng.random() < 0.5:
+                        conn.sendall((protocol.MAX_REQUEST + 1).to_bytes(4, "big"))
+                        reply, _ = protocol.recv(conn)
+                        assert isinstance(reply, protocol.Error) and "exceeds" in reply.what
+                    else:
+                        conn.sendall((100).to_bytes(4, "big") + b"{" * 10)
+                        conn.shutdown(socket.SHUT_WR)
+                        reply, _ = protocol.recv(conn)
+                        assert isinstance(reply, protocol.Error) and "closed after 10 of 100" in reply.what
+                    assert protocol.recv(conn) == (None, [])
+                    closed += 1
+                    break
+                conn.sendall(len(body).to_bytes(4, "big") + body)
+                reply, _ = protocol.recv(conn)
+                assert isinstance(reply, protocol.Error), reply
+                errors += 1
+    assert errors > 8000 and closed > 10
+    assert status(d)["state"] == "ready"
+    assert d.proc.poll() is None
+
+
+def test_sigterm_sends_stopping_and_removes_the_socket(tmp_path, small, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
+    d = daemons(cfg)
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(20) == 0
+    d.listener.wait_for("STOPPING=1", 5)
+    assert not d.socket.exists()
+
+
+def test_watchdog_pings_at_half_the_interval(tmp_path, small, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
+    d = daemons(cfg, env={"WATCHDOG_USEC": "1000000"})
+    time.sleep(2.2)
+    assert len(d.listener.texts("WATCHDOG=1")) >= 3
+
+
+def test_bad_config_fails_fast_without_reading_a_checkpoint(tmp_path, small, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small, tensor_parallel_size=3,
+                                                                      gpus=[0, 1, 2])])
+    d = daemons(cfg, wait=False)
+    assert d.proc.wait(60) == 1
+    assert "TP size 3 does not divide num_attention_heads" in d.log.read_text()
+    assert not d.listener.texts("STATUS=filling") and not d.listener.texts("READY=1")
+    cfg = write_config(tmp_path / "bad.toml", tmp_path / "run", [model("small", small, quantization="nvfp4-checkpoint")])
+    d = daemons(cfg, wait=False)
+    assert d.proc.wait(60) == 2
+    assert "not verified for sharing" in d.log.read_text() and "bad.toml" in d.log.read_text()
