@@ -86,7 +86,7 @@ def _from_cache(want: Fingerprint, device: torch.device, mode: str, directory: P
     if not sockets:
         raise CacheMiss(f"no fast-start daemon socket in {directory}",
                         "start the daemon (systemctl start fast-start@N) or pass socket_dir")
-    misses = []
+    misses = []    # (reason, fix, differing fields)
     for path in sockets:
         try:
             with connect(path, timeout) as conn:
@@ -94,19 +94,18 @@ def _from_cache(want: Fingerprint, device: torch.device, mode: str, directory: P
                 if welcome.device != _device_id(device):
                     continue
                 reply, fds = request(conn, protocol.Acquire(want.to_dict(), mode), with_fds=True)
-                if isinstance(reply, protocol.Miss):
-                    misses.append(reply)
-                    continue
-                return _use(conn, reply, fds, want, mode)
+                if isinstance(reply, protocol.Acquired):
+                    return _use(conn, reply, fds, want, mode)
+                misses.append((reply.reason + (f" from model {reply.model!r}" if reply.model else ""),
+                               "run `fast-start fingerprints` and compare with this engine's spec", reply.fields))
         except FastStartError as e:
-            misses.append(protocol.Miss(f"{path}: {e.what}"))
+            misses.append((f"{path}: {e.what}", e.fix, ()))
         except OSError as e:
-            misses.append(protocol.Miss(f"{path}: {e.strerror or e}"))
+            misses.append((f"{path}: {e.strerror or e}", "check that the daemon runs", ()))
     if not misses:
         raise CacheMiss(f"no daemon in {directory} serves device {_device_id(device)}", "check the daemon's config")
-    closest = min(misses, key=lambda m: (not m.fields, len(m.fields)))
-    raise CacheMiss(f"{closest.reason}" + (f" from model {closest.model!r}" if closest.model else ""),
-                    "run `fast-start fingerprints` to compare", tuple(closest.fields))
+    reason, fix, fields = min(misses, key=lambda m: (not m[2], len(m[2])))
+    raise CacheMiss(reason, fix, tuple(fields))
 
 
 def _use(conn: socket.socket, reply: protocol.Acquired, fds: list[int], want: Fingerprint, mode: str) -> Weights:

@@ -1,0 +1,78 @@
+"""The TOML config: the example validates, and every mistake names the file, the key and the fix."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from fast_start import config as configs
+from fast_start.config import ConfigError
+
+EXAMPLE = Path(__file__).parent.parent / "etc" / "fast-start" / "fast-start.toml"
+
+
+def example_with(path) -> str:
+    return re.sub(r'^path = "[^"]*"', f'path = "{path}"', EXAMPLE.read_text(), flags=re.M)
+
+
+def test_example_config_validates(small, tmp_path):
+    f = tmp_path / "fast-start.toml"
+    f.write_text(example_with(small))
+    cfg = configs.load(f)
+    assert cfg.daemon.device == "cuda" and cfg.models[0].quantization == "fp8"
+    assert cfg.models[0].spec(1).rank == 1 and cfg.models_on(0) == cfg.models and cfg.models_on(2) == ()
+
+
+@pytest.mark.parametrize("edit,message", [
+    (("[daemon]", "[daemon]\ncolour = 1"), "[daemon] has unknown key 'colour'"),
+    (("name = ", "nmae = "), "unknown key 'nmae'"),
+    (("tensor_parallel_size = 2", 'tensor_parallel_size = "2"'), "key 'tensor_parallel_size' is '2', not an integer"),
+    (("gpus = [0, 1]", "gpus = [0, 0]"), "key 'gpus' [0, 0] lists a GPU twice"),
+    (("rank_offset = 0", "rank_offset = 1"), "key 'rank_offset' 1 with 2 GPUs serves ranks beyond 1"),
+    (('quantization = "fp8"', 'quantization = "int3"'), "key 'quantization' is 'int3'"),
+    (('quantization = "fp8"', 'quantization = "nvfp4-checkpoint"'), "'nvfp4-checkpoint' is not verified for sharing"),
+    (('device = "cuda"', 'device = "tpu"'), "key 'device' is 'tpu'"),
+    (('on_release = "keep"', 'on_release = "host"'), "the host-memory tier is not built yet"),
+    (('memory_budget = "95%"', 'memory_budget = "lots"'), "key 'memory_budget' is 'lots'"),
+    (('dtype = "bfloat16"', 'dtype = "int8"'), "key 'dtype' is 'int8'"),
+    (('[[model]]', 'model = 3\n[[modelx]]'), "unknown section or key"),
+    (('socket_dir = "/run/fast-start"', 'socket_dir = "run"'), "not an absolute path"),
+    (('name = "qwen3-8b"', 'name = "qwen3-8b"\n[broken'), "is not valid TOML"),
+])
+def test_bad_config_names_file_key_and_fix(small, tmp_path, edit, message):
+    f = tmp_path / "fs.toml"
+    f.write_text(example_with(small).replace(*edit, 1))
+    with pytest.raises(ConfigError) as err:
+        configs.load(f)
+    assert message in str(err.value) and str(f) in str(err.value) and err.value.fix
+
+
+def test_model_path_without_safetensors(tmp_path):
+    f = tmp_path / "fs.toml"
+    f.write_text(example_with(tmp_path))
+    with pytest.raises(ConfigError, match="is not a folder holding \\*.safetensors"):
+        configs.load(f)
+
+
+def test_missing_required_key_and_missing_file(small, tmp_path):
+    f = tmp_path / "fs.toml"
+    f.write_text(re.sub(r"^gpus = .*$", "", example_with(small), flags=re.M))
+    with pytest.raises(ConfigError, match="lacks key 'gpus'"):
+        configs.load(f)
+    with pytest.raises(ConfigError, match="does not exist"):
+        configs.load(tmp_path / "nope.toml")
+
+
+def test_duplicate_model_names(small, tmp_path):
+    text = example_with(small)
+    f = tmp_path / "fs.toml"
+    f.write_text(text + "\n" + text[text.index("[[model]]"):].replace("gpus = [0, 1]", "gpus = [2, 3]"))
+    with pytest.raises(ConfigError, match="name 'qwen3-8b' is used twice"):
+        configs.load(f)
+
+
+@pytest.mark.parametrize("text,total,want", [("120GiB", None, 120 * 2**30), ("500MB", None, 500 * 10**6),
+                                             ("95%", 1000, 950), ("1048576", None, 2**20)])
+def test_parse_bytes(text, total, want):
+    assert configs.parse_bytes(text, total) == want
