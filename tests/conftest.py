@@ -49,7 +49,7 @@ def small(tmp_path):
 @pytest.fixture
 def daemons(tmp_path):
     """Start real daemons: `daemons(config, gpu)`; all are stopped at the end of the test."""
-    from daemons import Daemon
+    from fast_start.harness import Daemon
     started = []
 
     def start(config, gpu=0, env=None, wait=True):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import fast_start
 from fast_start import protocol
 from fast_start.client import connect, request
 from fast_start.errors import CacheMiss
-from daemons import write_config
+from fast_start.harness import write_config
 
 METHODS = ["none", "fp8", "fp8-channel", "fp8-block"]
 

@@ -9,7 +9,6 @@ from safetensors.torch import load_file
 
 import fast_start
 from fast_start import quant
-from fast_start.checkpoint import open_checkpoint
 from fast_start.client import from_arenas
 from fast_start.materialize import materialize
 

@@ -29,6 +29,9 @@ class Entry:
     fill_seconds: float
     filled_at: float = field(default_factory=time.time)
 
+    def __post_init__(self):
+        self.manifest_dict = json.loads(self.manifest.to_json())   # encoded once, sent to every engine
+
     @property
     def nbytes(self) -> int:
         return sum(a.size for a in self.manifest.arenas)
@@ -95,7 +98,7 @@ class Cache:
                 return protocol.Error(f"cannot hand out arena fds: {e}", "raise the daemon's fd limit"), [], None
             lease = Lease(self.next_lease, peer.pid, best.model.name, msg.mode, time.time())
             self.next_lease += 1
-        reply = protocol.Acquired(lease.id, best.model.name, json.loads(best.manifest.to_json()))
+        reply = protocol.Acquired(lease.id, best.model.name, best.manifest_dict)
         return reply, fds, lease
 
     def register(self, lease: Lease) -> None:

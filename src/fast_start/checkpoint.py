@@ -99,7 +99,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"model path {folder} is not a folder",
                               "point it at the folder holding *.safetensors and config.json")
     dims = read_config(folder)
-    files = _find_files(folder)
+    files = shard_files(folder)
     headers, tensors = {}, {}
     for name in files:
         raw, header = _validated_header(folder / name)
@@ -212,7 +212,8 @@ def tensor_reader(ckpt: Checkpoint) -> Iterator[Callable[[str], torch.Tensor]]:
         yield read
 
 
-def _find_files(folder: Path) -> tuple[str, ...]:
+def shard_files(folder: Path) -> tuple[str, ...]:
+    """The safetensors files of a model folder: those the index names, else every *.safetensors."""
     index = folder / INDEX
     if index.exists():
         files = sorted(set(_read_index(index).values()))

@@ -48,7 +48,8 @@ def fails(command):
             return command(*args, **kwargs)
         except FastStartError as e:
             print(f"error: {e}", file=sys.stderr)     # one line, never wrapped or highlighted
-            raise typer.Exit(2 if isinstance(e, ConfigError) else 3 if isinstance(e, (NoDaemon, TrustError)) else 1)
+            code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, (NoDaemon, TrustError)) else 1
+            raise typer.Exit(code) from None
     return wrapper
 
 
@@ -204,7 +205,7 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
     for g in gpus(directory, gpu):
         for m in ask(directory, g, protocol.Fingerprints()).body["models"]:
             stored = Fingerprint.from_dict(m["fingerprint"])
-            if Path(m["path"]).resolve() != model.resolve() and stored.checkpoint != checkpoint_hash(ckpt):
+            if Path(m["path"]).resolve() != model.resolve() and stored.checkpoint != checkpoint_hash(ckpt.headers):
                 continue
             spec = WeightSpec(str(model), stored.tensor_parallel_size, stored.rank, stored.dtype, stored.quantization,
                               stored.layout.split("/")[0], stored.revision, stored.engine_version)
@@ -232,7 +233,7 @@ def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpe
     reply, fds = ask(directory, gpu, protocol.Acquire(stored.to_dict(), "zero_copy"), with_fds=True)
     if isinstance(reply, protocol.Miss):
         return [f"(cache miss: {reply.reason})"]
-    manifest = Manifest.from_json(json.dumps(reply.manifest))
+    manifest = Manifest.from_dict(reply.manifest)
     try:
         cached = from_arenas(manifest, fds)
     finally:

@@ -7,7 +7,6 @@ mappings are dropped.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -19,7 +18,6 @@ import torch
 
 from . import arena as arenas
 from . import protocol, trust
-from .checkpoint import open_checkpoint
 from .config import DEFAULT_SOCKET_DIR
 from .errors import CacheMiss, FastStartError, LoadError
 from .fingerprint import Fingerprint, WeightSpec, fingerprint
@@ -66,8 +64,7 @@ def fetch(spec: WeightSpec, device: str | torch.device = "cpu", mode: str = "zer
     """
     if mode not in MODES:
         raise FastStartError(f"fetch mode {mode!r} is unknown", f"use one of {', '.join(MODES)}")
-    ckpt = open_checkpoint(spec.path)
-    want = fingerprint(spec, ckpt)
+    want = fingerprint(spec)
     directory = Path(socket_dir or os.environ.get("FAST_START_SOCKET_DIR") or DEFAULT_SOCKET_DIR)
     try:
         return _from_cache(want, torch.device(device), mode, directory, connect_timeout)
@@ -77,7 +74,7 @@ def fetch(spec: WeightSpec, device: str | torch.device = "cpu", mode: str = "zer
             raise CacheMiss(miss.what, miss.fix, fields) from None
         log.warning("fast-start: cache miss for %s rank %d (%s%s); loading from disk", spec.path, spec.rank,
                     miss.what, f"; differing fields: {', '.join(fields)}" if fields else "")
-    tensors, aliases, fp = load_from_disk(spec, device, ckpt)
+    tensors, aliases, fp = load_from_disk(spec, device)
     return Weights(tensors, aliases, "disk", fp)
 
 
@@ -110,7 +107,7 @@ def _from_cache(want: Fingerprint, device: torch.device, mode: str, directory: P
 
 def _use(conn: socket.socket, reply: protocol.Acquired, fds: list[int], want: Fingerprint, mode: str) -> Weights:
     try:
-        manifest = Manifest.from_json(json.dumps(reply.manifest))
+        manifest = Manifest.from_dict(reply.manifest)
         if manifest.fingerprint != want:
             raise CacheMiss("the daemon answered with a different fingerprint", "report this as a bug",
                             manifest.fingerprint.diff(want))
@@ -164,7 +161,7 @@ def from_arenas(manifest: Manifest, fds: list[int], mode: str = "zero_copy") -> 
     if len(fds) != len(manifest.arenas):
         raise FastStartError(f"got {len(fds)} arena fds for {len(manifest.arenas)} arenas",
                              "ask the daemon again; the reply was incomplete")
-    maps = [arenas.map_readonly(fd, a.size, a.device) for fd, a in zip(fds, manifest.arenas)]
+    maps = [arenas.map_readonly(fd, a.size, a.device) for fd, a in zip(fds, manifest.arenas, strict=False)]
     tensors = {e.name: arenas.view(maps[e.arena], e) for e in manifest.tensors}
     if mode == "copy":
         tensors = {n: t.clone() for n, t in tensors.items()}   # the maps go with the last view

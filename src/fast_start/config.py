@@ -75,7 +75,7 @@ def load(path: str | Path = DEFAULT_PATH) -> Config:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist",
-                          f"create it (see etc/fast-start/fast-start.toml) or pass --config") from None
+                          "create it (see etc/fast-start/fast-start.toml) or pass --config") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file {path}: {e}", "check its permissions") from None
     except tomllib.TOMLDecodeError as e:

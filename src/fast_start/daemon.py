@@ -108,7 +108,7 @@ class Daemon:
                 if isinstance(msg, protocol.Progress):
                     self.report_progress(msg)
                     continue
-                manifest = Manifest.from_json(json.dumps(msg.manifest))
+                manifest = Manifest.from_dict(msg.manifest)
                 self.cache.add(Entry(by_name[msg.model], manifest, fds, msg.seconds))
                 log.info("cached %s rank %d: %.2f GiB in %.1f s", msg.model, manifest.fingerprint.rank,
                          sum(a.size for a in manifest.arenas) / 2**30, msg.seconds)

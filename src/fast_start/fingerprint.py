@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 from . import quant
-from .checkpoint import Checkpoint
+
+from .checkpoint import Checkpoint, raw_header, read_config, shard_files
 
 # Bump when the bytes fast-start produces for the same inputs change (rules, packing, formats).
 LAYOUT_VERSION = 1
@@ -65,21 +67,33 @@ class Fingerprint:
         return cls(**d)
 
 
-def checkpoint_hash(ckpt: Checkpoint) -> str:
+def checkpoint_hash(headers: dict[str, bytes]) -> str:
+    """Hash of every shard's raw header, by file name (the folder's path is left out)."""
     h = hashlib.sha256()
-    for name in sorted(ckpt.headers):
-        raw = ckpt.headers[name]
+    for name in sorted(headers):
+        raw = headers[name]
         h.update(f"{name}\0{len(raw)}\0".encode())
         h.update(raw)
     return h.hexdigest()
 
 
-def fingerprint(spec: WeightSpec, ckpt: Checkpoint) -> Fingerprint:
+def fingerprint(spec: WeightSpec, ckpt: Checkpoint | None = None) -> Fingerprint:
+    """The fingerprint of `spec`'s weights.
+
+    Without `ckpt` only config.json and the raw headers are read, not validated: that is all a
+    cache lookup needs, since a daemon holding the same header hash validated those very files.
+    """
+    if ckpt is None:
+        folder = Path(spec.path)
+        headers = {f: raw_header(folder / f) for f in shard_files(folder)}
+        dims = read_config(folder)
+    else:
+        headers, dims = ckpt.headers, ckpt.dims
     method = quant.method(spec.quantization)
     return Fingerprint(
-        checkpoint=checkpoint_hash(ckpt), architecture=ckpt.dims.architecture,
+        checkpoint=checkpoint_hash(headers), architecture=dims.architecture,
         tensor_parallel_size=spec.tensor_parallel_size, rank=spec.rank, dtype=spec.dtype,
         quantization=spec.quantization,
-        quantization_config=quant.config_hash(method, ckpt.dims.quantization_config),
+        quantization_config=quant.config_hash(method, dims.quantization_config),
         revision=spec.revision, engine_version=spec.engine_version,
         layout=f"{spec.layout}/{LAYOUT_VERSION}")

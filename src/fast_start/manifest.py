@@ -59,6 +59,14 @@ class Manifest:
     def from_json(cls, data: bytes | str) -> "Manifest":
         try:
             d = json.loads(data)
+        except ValueError as e:
+            raise ArenaError(f"manifest is not JSON: {e}", "refill the cache (fast-start evict, then restart)") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Manifest":
+        """Build and validate a manifest from its JSON object."""
+        try:
             m = cls(Fingerprint.from_dict(d["fingerprint"]),
                     tuple(ArenaEntry(**a) for a in d["arenas"]),
                     tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in d["tensors"]),

@@ -1,4 +1,9 @@
-"""Test helpers: a real NOTIFY_SOCKET listener and real daemon processes."""
+"""A daemon process under a real NOTIFY_SOCKET listener, as systemd runs it.
+
+The demo, the benchmarks and the tests start daemons through this module: `NotifyListener`
+receives sd_notify datagrams the way systemd does (and records, for each, whether the daemon's
+socket existed when it arrived); `Daemon` runs `fast-start daemon --gpu N` with it.
+"""
 from __future__ import annotations
 
 import os
@@ -10,8 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-MODEL_KEYS = ("name", "path", "gpus", "tensor_parallel_size", "rank_offset", "dtype", "quantization",
-              "layout", "revision", "engine_version")
+from .config import tomllib
 
 
 class NotifyListener:
@@ -35,7 +39,7 @@ class NotifyListener:
             except socket.timeout:
                 continue
             exists = bool(self.watch and self.watch.exists())
-            for level, kind, payload in anc:
+            for _level, kind, payload in anc:
                 if kind == socket.SCM_RIGHTS:
                     self.fds += list(memoryview(payload).cast("i"))
             for line in data.decode().split("\n"):
@@ -81,13 +85,13 @@ def _toml(v) -> str:
 class Daemon:
     """`fast-start daemon --gpu N` as a real process with its own NOTIFY_SOCKET listener."""
 
-    def __init__(self, tmp: Path, config: Path, gpu: int = 0, env: dict | None = None):
+    def __init__(self, tmp: Path, config: Path, gpu: int = 0, env: dict | None = None, log=None):
         self.config, self.gpu = config, gpu
-        import tomllib
+        # Read the socket directory without validating: tests start daemons on bad configs on purpose.
         self.socket_dir = Path(tomllib.loads(config.read_text())["daemon"]["socket_dir"])
         self.socket = self.socket_dir / f"gpu{gpu}.sock"
         self.listener = NotifyListener(tmp / f"notify-{gpu}-{time.monotonic_ns()}", self.socket)
-        self.log = tmp / f"daemon-{gpu}.log"
+        self.log = Path(log or tmp / f"daemon-{gpu}.log")
         full_env = {**os.environ, "NOTIFY_SOCKET": str(self.listener.path), **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "fast_start.cli", "daemon", "--gpu", str(gpu),
                                       "--config", str(config)], env=full_env,
