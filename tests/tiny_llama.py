@@ -1,6 +1,8 @@
 """A plain-torch Llama built from config.json: the test's stand-in for an engine's model.
 
-Rotary embeddings are computed in forward, so the module has no non-persistent buffers.
+Rotary embeddings are computed in forward, so the module has no non-persistent buffers. With
+`tp > 1` it is one rank of a tensor-parallel model in the hf layout (heads, MLP and vocabulary
+split; KV heads replicated when there are fewer than ranks), reduced with torch.distributed.
 """
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -21,10 +24,17 @@ class RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
+def reduce(x, tp: int):
+    if tp > 1:
+        dist.all_reduce(x)
+    return x
+
+
 class Attention(nn.Module):
-    def __init__(self, c: dict):
+    def __init__(self, c: dict, tp: int = 1):
         super().__init__()
-        self.heads, self.kv, self.hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        self.tp, self.hd = tp, c["head_dim"]
+        self.heads, self.kv = c["num_attention_heads"] // tp, max(c["num_key_value_heads"] // tp, 1)
         h = c["hidden_size"]
         self.q_proj = nn.Linear(h, self.heads * self.hd, bias=False)
         self.k_proj = nn.Linear(h, self.kv * self.hd, bias=False)
@@ -49,26 +59,27 @@ class Attention(nn.Module):
         rep = self.heads // self.kv
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        return reduce(self.o_proj(y.transpose(1, 2).reshape(b, t, -1)), self.tp)
 
 
 class MLP(nn.Module):
-    def __init__(self, c: dict):
+    def __init__(self, c: dict, tp: int = 1):
         super().__init__()
-        h, i = c["hidden_size"], c["intermediate_size"]
+        self.tp = tp
+        h, i = c["hidden_size"], c["intermediate_size"] // tp
         self.gate_proj, self.up_proj = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.tp)
 
 
 class Layer(nn.Module):
-    def __init__(self, c: dict):
+    def __init__(self, c: dict, tp: int = 1):
         super().__init__()
         self.input_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
-        self.self_attn, self.mlp = Attention(c), MLP(c)
+        self.self_attn, self.mlp = Attention(c, tp), MLP(c, tp)
 
     def forward(self, x):
         x = x + self.self_attn(self.input_layernorm(x))
@@ -76,26 +87,41 @@ class Layer(nn.Module):
 
 
 class Body(nn.Module):
-    def __init__(self, c: dict):
+    def __init__(self, c: dict, tp: int = 1):
         super().__init__()
-        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
-        self.layers = nn.ModuleList(Layer(c) for _ in range(c["num_hidden_layers"]))
+        self.embed_tokens = nn.Embedding(c["vocab_size"] // tp, c["hidden_size"])
+        self.layers = nn.ModuleList(Layer(c, tp) for _ in range(c["num_hidden_layers"]))
         self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
 
 
 class TinyLlama(nn.Module):
-    def __init__(self, c: dict):
+    def __init__(self, c: dict, tp: int = 1, rank: int = 0):
         super().__init__()
-        self.model = Body(c)
-        self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
+        self.tp, self.rank = tp, rank
+        self.model = Body(c, tp)
+        self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"] // tp, bias=False)
         if c.get("tie_word_embeddings"):
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def embed(self, ids):
+        if self.tp == 1:
+            return self.model.embed_tokens(ids)
+        n = self.model.embed_tokens.num_embeddings          # this rank's slice of the vocabulary
+        local = ids - self.rank * n
+        inside = (local >= 0) & (local < n)
+        x = self.model.embed_tokens(local.clamp(0, n - 1)) * inside.unsqueeze(-1)
+        return reduce(x, self.tp)
+
     def forward(self, ids):
-        x = self.model.embed_tokens(ids)
+        x = self.embed(ids)
         for layer in self.model.layers:
             x = layer(x)
-        return self.lm_head(self.model.norm(x))
+        logits = self.lm_head(self.model.norm(x))
+        if self.tp > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp)]
+            dist.all_gather(parts, logits)
+            logits = torch.cat(parts, -1)
+        return logits
 
 
 def config(folder: Path) -> dict:

@@ -7,9 +7,9 @@ tensor fault) and builds dtype views at the manifest's offsets. The mapping live
 last tensor that uses it. The fd is the capability: whoever holds it can read the weights, so
 fds only travel over an authenticated Unix socket (`SCM_RIGHTS`).
 
-The CUDA arena (VMM allocations exported as POSIX fds) implements the same three calls:
-`create(size, device, name) -> writer`, `writer.write(offset, tensor)` / `writer.finish() -> fd`,
-and `map_readonly(fd, size, device) -> uint8 tensor`.
+The CUDA arena (`vmm.py`: VMM allocations exported as POSIX fds) has the same interface: a
+writer with `size`, `device`, `write(offset, tensor)`, `finish() -> fd` and `abort()`, and a
+read-only map of an fd as a flat uint8 tensor.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ _WRITE_STEP = 1 << 26
 
 class MemfdWriter:
     """Fills a new memfd of `size` bytes; `finish()` seals it and hands over the fd."""
+    device = "cpu"
 
     def __init__(self, size: int, name: str):
         self.fd = os.memfd_create(f"fast-start:{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -58,16 +59,33 @@ class MemfdWriter:
             self.fd = -1
 
 
-def create(size: int, device: str, name: str) -> MemfdWriter:
-    if device != "cpu":
-        raise ArenaError(f"arena device {device!r} is not available", 'use device = "cpu"')
-    return MemfdWriter(size, name)
+def create(size: int, device: str, name: str):
+    """A writer for a new arena of at least `size` bytes on "cpu" or "cuda:N"."""
+    if device == "cpu":
+        return MemfdWriter(size, name)
+    if device.startswith("cuda"):
+        from . import vmm
+        return vmm.VmmWriter(size, torch.device(device).index or 0, name)
+    raise ArenaError(f"arena device {device!r} is unknown", 'use "cpu" or "cuda:N"')
 
 
-def map_readonly(fd: int, size: int, device: str) -> torch.Tensor:
-    """Map an arena fd read-only as a flat uint8 tensor; the fd may be closed afterwards."""
-    if device != "cpu":
-        raise ArenaError(f"arena device {device!r} is not available here", "fetch on the CPU")
+def map_readonly(fd: int, size: int, arena_device: str, device: torch.device) -> torch.Tensor:
+    """Map an arena fd read-only as a flat uint8 tensor on `device`; the fd may be closed afterwards.
+
+    `arena_device` is where the arena lives ("cpu" or a GPU UUID); it must be `device` itself.
+    """
+    if arena_device == "cpu" and device.type == "cpu":
+        return _map_memfd(fd, size)
+    if device.type == "cuda":
+        from . import vmm
+        ordinal = device.index if device.index is not None else torch.cuda.current_device()
+        if vmm.device_uuid(ordinal) == arena_device:
+            return vmm.map_fd(fd, size, ordinal, readonly=True)
+    raise ArenaError(f"arena on {arena_device} cannot be mapped on {device}",
+                     "fetch on the device the daemon serves")
+
+
+def _map_memfd(fd: int, size: int) -> torch.Tensor:
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     if seals & _SEALS != _SEALS:
         raise ArenaError("arena memfd is not sealed against writes", "refill the cache from a trusted daemon")

@@ -69,7 +69,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "fast-start-bench"),
                     help="where the synthetic checkpoint is kept between runs")
     ap.add_argument("--json", default="bench.json", help="where to write the results")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--sizes", default="4GiB,16GiB", help="with --device cuda: checkpoint sizes side by side")
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        from . import bench_gpu
+        bench_gpu.main([parse_bytes(s) for s in args.sizes.split(",")], args.repeat, Path(args.dir), Path(args.json))
+        return
     shape = synth.llama_of_size(parse_bytes(args.size))
     folder = Path(args.dir) / f"llama-{shape.num_layers}L-{shape.hidden_size}h"
     if not (folder / "config.json").exists():

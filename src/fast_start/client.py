@@ -92,7 +92,7 @@ def _from_cache(want: Fingerprint, device: torch.device, mode: str, directory: P
                     continue
                 reply, fds = request(conn, protocol.Acquire(want.to_dict(), mode), with_fds=True)
                 if isinstance(reply, protocol.Acquired):
-                    return _use(conn, reply, fds, want, mode)
+                    return _use(conn, reply, fds, want, mode, device)
                 misses.append((reply.reason + (f" from model {reply.model!r}" if reply.model else ""),
                                "run `fast-start fingerprints` and compare with this engine's spec", reply.fields))
         except FastStartError as e:
@@ -105,13 +105,14 @@ def _from_cache(want: Fingerprint, device: torch.device, mode: str, directory: P
     raise CacheMiss(reason, fix, tuple(fields))
 
 
-def _use(conn: socket.socket, reply: protocol.Acquired, fds: list[int], want: Fingerprint, mode: str) -> Weights:
+def _use(conn: socket.socket, reply: protocol.Acquired, fds: list[int], want: Fingerprint, mode: str,
+         device: torch.device) -> Weights:
     try:
         manifest = Manifest.from_dict(reply.manifest)
         if manifest.fingerprint != want:
             raise CacheMiss("the daemon answered with a different fingerprint", "report this as a bug",
                             manifest.fingerprint.diff(want))
-        weights = from_arenas(manifest, fds, mode)
+        weights = from_arenas(manifest, fds, mode, device)
     finally:
         for fd in fds:
             os.close(fd)
@@ -153,18 +154,29 @@ def request(conn: socket.socket, msg, with_fds: bool = False):
 
 
 def _device_id(device: torch.device) -> str:
-    return "cpu" if device.type == "cpu" else device.type
+    """How daemons name a device: "cpu", or the GPU's UUID (never an index: CUDA_VISIBLE_DEVICES differs)."""
+    if device.type == "cpu":
+        return "cpu"
+    from . import vmm
+    return vmm.device_uuid(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def from_arenas(manifest: Manifest, fds: list[int], mode: str = "zero_copy") -> Weights:
-    """Build weights from arena fds (the caller keeps ownership of the fds and may close them)."""
+def from_arenas(manifest: Manifest, fds: list[int], mode: str = "zero_copy",
+                device: str | torch.device = "cpu") -> Weights:
+    """Build weights from arena fds (the caller keeps ownership of the fds and may close them).
+
+    `zero_copy`: read-only views of the arenas. `copy`: one device copy of each arena into memory
+    the engine owns (one large copy runs at full bandwidth; per-tensor clones would not), the
+    mappings dropped as soon as the copy is done.
+    """
     if len(fds) != len(manifest.arenas):
         raise FastStartError(f"got {len(fds)} arena fds for {len(manifest.arenas)} arenas",
                              "ask the daemon again; the reply was incomplete")
-    maps = [arenas.map_readonly(fd, a.size, a.device) for fd, a in zip(fds, manifest.arenas, strict=False)]
-    tensors = {e.name: arenas.view(maps[e.arena], e) for e in manifest.tensors}
+    device = torch.device(device)
+    maps = [arenas.map_readonly(fd, a.size, a.device, device) for fd, a in zip(fds, manifest.arenas, strict=True)]
     if mode == "copy":
-        tensors = {n: t.clone() for n, t in tensors.items()}   # the maps go with the last view
+        maps = [m.clone() for m in maps]
+    tensors = {e.name: arenas.view(maps[e.arena], e) for e in manifest.tensors}
     return Weights(tensors, dict(manifest.aliases), "cache", manifest.fingerprint)
 
 

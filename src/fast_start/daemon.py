@@ -33,7 +33,7 @@ from . import notify, protocol, trust
 from .cache import Cache, Entry
 from .checkpoint import open_checkpoint
 from .errors import FastStartError
-from .manifest import Manifest
+from .manifest import Manifest, pack
 from .materialize import plan
 
 log = logging.getLogger("fast_start.daemon")
@@ -48,6 +48,21 @@ class FillError(FastStartError):
     """The fill worker failed or stalled."""
 
 
+def device_id(device: str, gpu: int) -> str:
+    """"cpu", or GPU `gpu`'s UUID (asked of the driver without creating a context)."""
+    if device == "cpu":
+        return "cpu"
+    from . import vmm
+    return vmm.device_uuid(gpu)
+
+
+def device_memory(device: str, gpu: int) -> int:
+    if device == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    from . import vmm
+    return vmm.total_memory(gpu)
+
+
 def socket_path(socket_dir: str, gpu: int) -> Path:
     return Path(socket_dir) / f"gpu{gpu}.sock"
 
@@ -60,7 +75,7 @@ class Daemon:
     def __init__(self, cfg: configs.Config, gpu: int):
         self.cfg, self.gpu = cfg, gpu
         self.models = cfg.models_on(gpu)
-        self.cache = Cache(gpu, cfg.daemon.device, cfg.daemon.on_release)
+        self.cache = Cache(gpu, device_id(cfg.daemon.device, gpu), cfg.daemon.on_release)
         self.stop = threading.Event()
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.group = grp.getgrnam(cfg.daemon.allowed_groups[0]).gr_gid if cfg.daemon.allowed_groups else None
@@ -68,9 +83,20 @@ class Daemon:
 
     # -- start-up ------------------------------------------------------------------------------
     def check_models(self) -> None:
-        """Every model's headers against its spec: no tensor data is read."""
+        """Every model's headers against its spec, and the total against the memory budget.
+
+        Reads headers and config.json only, no tensor data.
+        """
+        need = 0
         for m in self.models:
-            plan(open_checkpoint(m.path), m.spec(self.gpu))
+            _, sizes = pack(plan(open_checkpoint(m.path), m.spec(self.gpu)))
+            need += sum(sizes)
+        total = device_memory(self.cfg.daemon.device, self.gpu)
+        budget = configs.parse_bytes(self.cfg.daemon.memory_budget, total)
+        if need > budget:
+            raise FastStartError(f"GPU {self.gpu}'s models need {need / 2**30:.2f} GiB, more than memory_budget "
+                                 f"{self.cfg.daemon.memory_budget!r} ({budget / 2**30:.2f} GiB) in {self.cfg.path}",
+                                 "raise memory_budget or serve fewer or smaller models on this GPU")
 
     def write_state(self, state: str, **extra) -> None:
         path = state_path(self.cfg.daemon.socket_dir, self.gpu)
@@ -79,7 +105,8 @@ class Daemon:
         tmp.replace(path)
 
     def fill(self) -> None:
-        jobs = [{"model": m.name, "spec": m.spec(self.gpu).__dict__, "device": self.cfg.daemon.device,
+        device = "cpu" if self.cfg.daemon.device == "cpu" else f"cuda:{self.gpu}"
+        jobs = [{"model": m.name, "spec": m.spec(self.gpu).__dict__, "device": device,
                  "bandwidth": configs.parse_bytes(self.cfg.daemon.fill_bandwidth)} for m in self.models]
         if not jobs:
             return

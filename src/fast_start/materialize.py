@@ -133,11 +133,11 @@ def materialize(spec: WeightSpec, device: str = "cpu", arena_limit: int | None =
         for w in writers:
             w.abort()
         raise
-    manifest = Manifest(fingerprint(spec, ckpt), tuple(ArenaEntry(s, device) for s in sizes),
+    manifest = Manifest(fingerprint(spec, ckpt), tuple(ArenaEntry(w.size, w.device) for w in writers),
                         tuple(final), aliases(ckpt))
     manifest.validate()
     return manifest, fds
 
 
 def _compute_device(arena_device: str) -> str:
-    return "cpu" if arena_device == "cpu" else "cuda"
+    return "cpu" if arena_device == "cpu" else arena_device      # "cuda:N": compute where the arena is

@@ -96,19 +96,29 @@ def llama_of_size(nbytes: int, hidden_size: int = 2048) -> Shape:
 
 
 def write_checkpoint(folder: str | Path, shape: Shape = Shape(), *, files: int = 1, fp8: str | None = None,
-                     seed: int = 0, progress: Callable[[int, int], None] | None = None) -> Path:
-    """Write config.json and `files` safetensors shards (with an index when more than one)."""
+                     seed: int = 0, progress: Callable[[int, int], None] | None = None,
+                     reuse: bool = False) -> Path:
+    """Write config.json and `files` safetensors shards (with an index when more than one).
+
+    `reuse` draws one random tensor per distinct shape and repeats it in every layer: much faster
+    for benchmark-sized models, whose speed does not depend on the values.
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     names = required_tensors(shape.dims())
     gen = torch.Generator().manual_seed(seed)
     per_file = -(-len(names) // files)
-    weight_map, done, total = {}, 0, shape.nbytes()
+    weight_map, done, total, drawn = {}, 0, shape.nbytes(), {}
     for i in range(files):
         fname = "model.safetensors" if files == 1 else f"model-{i + 1:05d}-of-{files:05d}.safetensors"
         tensors = {}
         for name in names[i * per_file:(i + 1) * per_file]:
-            t = _random(shape.tensor_shape(name), name, gen)
+            key = (shape.tensor_shape(name), name.endswith("norm.weight"))
+            t = drawn.get(key)
+            if t is None:
+                t = _random(key[0], name, gen)
+                if reuse:
+                    drawn[key] = t
             done += t.nbytes
             if fp8 and quant.is_quantized(name):
                 fn, suffix = FP8_SCHEMES[fp8]

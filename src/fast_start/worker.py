@@ -37,6 +37,9 @@ def fill(sock: socket.socket, job: dict) -> None:
             last[0] = now
             protocol.send(sock, protocol.Progress(job["model"], spec.rank, done, total))
 
+    if job["device"].startswith("cuda"):
+        import torch
+        torch.cuda.set_device(job["device"])     # the context lives here, never in the daemon
     manifest, fds = materialize(spec, job["device"], progress=progress)
     try:
         protocol.send(sock, protocol.Filled(job["model"], json.loads(manifest.to_json()),

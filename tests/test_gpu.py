@@ -1,0 +1,122 @@
+"""The CUDA device end to end (marker `gpu`; skipped without CUDA)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import fast_start
+from fast_start.harness import write_config
+from test_tp_forward import assert_close_bf16, reference, run_ranks
+
+pytestmark = pytest.mark.gpu
+METHODS = ["none", "fp8", "fp8-channel", "fp8-block"]
+
+
+def raw(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def cuda_config(tmp_path, models, **daemon):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", models, **daemon)
+    cfg.write_text(cfg.read_text().replace('device = "cpu"', 'device = "cuda"'))
+    return cfg
+
+
+def model(name, path, gpus=(0,), **kw):
+    return {"name": name, "path": str(path), "gpus": list(gpus), "engine_version": "test", **kw}
+
+
+def compute_apps() -> set[int]:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                         capture_output=True, text=True, check=True).stdout
+    return {int(x) for x in out.split()}
+
+
+def test_cuda_cache_is_bit_identical_to_disk_for_every_method(tmp_path, llama, llama_fp8, daemons):
+    models = [model(f"{q}-r{r}", llama, quantization=q, tensor_parallel_size=2, rank_offset=r)
+              for q in METHODS for r in range(2)]
+    models += [model("fp8ckpt", llama_fp8, quantization="fp8-checkpoint")]
+    daemons(cuda_config(tmp_path, models))
+    specs = [fast_start.WeightSpec(str(llama), 2, r, quantization=q, engine_version="test")
+             for q in METHODS for r in range(2)]
+    specs.append(fast_start.WeightSpec(str(llama_fp8), quantization="fp8-checkpoint", engine_version="test"))
+    for spec in specs:
+        for mode in ("zero_copy", "copy"):
+            cache = fast_start.fetch(spec, device="cuda:0", mode=mode, socket_dir=str(tmp_path / "run"),
+                                     fallback=False)
+            disk = fast_start.fetch(spec, device="cuda:0", socket_dir=str(tmp_path / "none"))
+            cpu = fast_start.fetch(spec, device="cpu", socket_dir=str(tmp_path / "none"))
+            assert cache.source == "cache" and disk.source == "disk" and cache.keys() == disk.keys()
+            for name in disk:
+                assert cache[name].device.type == "cuda"
+                assert torch.equal(raw(cache[name]), raw(disk[name])), (spec, name)
+                assert torch.equal(raw(disk[name]).cpu(), raw(cpu[name])), (spec, name)   # GPU == CPU bytes
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch, fast_start
+    w = fast_start.fetch(fast_start.WeightSpec(sys.argv[1], engine_version="test"), device="cuda:0",
+                         socket_dir=sys.argv[2], fallback=False)
+    try:
+        w["model.norm.weight"].fill_(7)
+        torch.cuda.synchronize()
+        print("write went through")
+    except Exception as e:
+        print("write failed:", type(e).__name__, str(e)[:200])
+""")
+
+
+def test_write_through_zero_copy_tensor_fails_and_cache_stays_intact(tmp_path, llama, daemons):
+    daemons(cuda_config(tmp_path, [model("llama", llama)]))
+    p = subprocess.run([sys.executable, "-c", WRITER, str(llama), str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300)
+    assert "write went through" not in p.stdout, p.stdout + p.stderr
+    assert "write failed" in p.stdout or p.returncode != 0, p.stdout + p.stderr
+    spec = fast_start.WeightSpec(str(llama), engine_version="test")
+    cache = fast_start.fetch(spec, device="cuda:0", socket_dir=str(tmp_path / "run"), fallback=False)
+    disk = fast_start.fetch(spec, device="cuda:0", socket_dir=str(tmp_path / "none"))
+    for name in disk:
+        assert torch.equal(raw(cache[name]), raw(disk[name])), name
+
+
+def test_copy_then_daemon_killed_leaves_engine_tensors_valid(tmp_path, llama, daemons):
+    d = daemons(cuda_config(tmp_path, [model("llama", llama)]))
+    spec = fast_start.WeightSpec(str(llama), quantization="none", engine_version="test")
+    w = fast_start.fetch(spec, device="cuda:0", mode="copy", socket_dir=str(tmp_path / "run"), fallback=False)
+    assert w.source == "cache"
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(30)
+    time.sleep(1)
+    disk = fast_start.fetch(spec, device="cuda:0", socket_dir=str(tmp_path / "none"))
+    for name in disk:
+        assert torch.equal(raw(w[name]), raw(disk[name])), name
+
+
+def test_serving_daemon_holds_no_cuda_context(tmp_path, llama, daemons):
+    d = daemons(cuda_config(tmp_path, [model("llama", llama)]))
+    w = fast_start.fetch(fast_start.WeightSpec(str(llama), engine_version="test"), device="cuda:0",
+                         socket_dir=str(tmp_path / "run"), fallback=False)
+    apps = compute_apps()
+    assert os.getpid() in apps            # the engine (this process) has a context: the check can see one
+    assert d.proc.pid not in apps         # the daemon does not
+    del w
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_daemons_serve_two_engines_by_gpu_uuid(tmp_path, llama, daemons):
+    cfg = cuda_config(tmp_path, [model("llama", llama, gpus=[0, 1], tensor_parallel_size=2)])
+    daemons(cfg, 0)
+    daemons(cfg, 1)
+    nccl = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    # Rank 0 sees both GPUs in reverse order and uses its cuda:1 (physical GPU 0); rank 1 sees GPU 1 alone.
+    envs = [{**nccl, "CUDA_VISIBLE_DEVICES": "1,0"}, {**nccl, "CUDA_VISIBLE_DEVICES": "1"}]
+    sources = run_ranks(llama, "nccl", ["cuda:1", "cuda:0"], tmp_path / "run", tmp_path / "logits", envs)
+    assert sources == ["cache", "cache"]
+    assert_close_bf16(torch.load(tmp_path / "logits"), reference(llama, "cuda:0"))
