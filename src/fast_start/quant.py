@@ -51,7 +51,10 @@ def _saturate(x: torch.Tensor) -> torch.Tensor:
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
     # An all-zero tensor gets scale 1/448 instead of 0 so that dequantization stays finite.
-    return amax.float().clamp(min=1e-12) / FP8_MAX
+    # Multiply by a reciprocal held in a tensor: CUDA divides by a Python scalar as a multiply by
+    # its reciprocal and the CPU does not, so `/ 448.0` would differ by an ulp between devices.
+    inv = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32, device=amax.device)
+    return amax.float().clamp(min=1e-12) * inv
 
 
 def to_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
