@@ -44,8 +44,8 @@ class Attention(nn.Module):
 
     def rope(self, x):
         t = x.shape[2]
-        inv = 1.0 / self.theta ** (torch.arange(0, self.hd, 2, dtype=torch.float32) / self.hd)
-        ang = torch.outer(torch.arange(t, dtype=torch.float32), inv)
+        inv = 1.0 / self.theta ** (torch.arange(0, self.hd, 2, dtype=torch.float32, device=x.device) / self.hd)
+        ang = torch.outer(torch.arange(t, dtype=torch.float32, device=x.device), inv)
         cos, sin = torch.cat([ang.cos()] * 2, -1).to(x.dtype), torch.cat([ang.sin()] * 2, -1).to(x.dtype)
         x1, x2 = x[..., : self.hd // 2], x[..., self.hd // 2:]
         return x * cos + torch.cat([-x2, x1], -1) * sin
