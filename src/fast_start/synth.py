@@ -114,7 +114,7 @@ def write_checkpoint(folder: str | Path, shape: Shape = Shape(), *, files: int =
         tensors = {}
         for name in names[i * per_file:(i + 1) * per_file]:
             key = (shape.tensor_shape(name), name.endswith("norm.weight"))
-            t = drawn.get(key)
+            t = drawn[key].clone() if key in drawn else None   # safetensors refuses shared memory
             if t is None:
                 t = _random(key[0], name, gen)
                 if reuse:
