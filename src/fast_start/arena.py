@@ -98,7 +98,22 @@ def _map_memfd(fd: int, size: int) -> torch.Tensor:
         return torch.frombuffer(mm, dtype=torch.uint8)
 
 
-def view(arena: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
-    """The tensor `entry` describes, as a view into a mapped arena."""
-    flat = arena[entry.offset:entry.offset + entry.nbytes]
-    return flat.view(DTYPES[entry.dtype]).view(entry.shape)
+def views(arena: torch.Tensor, entries: list[TensorEntry]) -> dict[str, torch.Tensor]:
+    """The tensors `entries` describe, as views into one mapped arena.
+
+    One typed view of the whole arena per dtype, then one `as_strided` per tensor: a model has
+    hundreds of tensors and this runs on every engine start.
+    """
+    typed: dict[str, torch.Tensor] = {}
+    out = {}
+    for e in entries:
+        dtype = DTYPES[e.dtype]
+        if e.dtype not in typed:
+            usable = arena.numel() // dtype.itemsize * dtype.itemsize
+            typed[e.dtype] = arena[:usable].view(dtype)
+        stride, step = [], 1
+        for size in reversed(e.shape):
+            stride.append(step)
+            step *= size
+        out[e.name] = typed[e.dtype].as_strided(e.shape, stride[::-1], e.offset // dtype.itemsize)
+    return out

@@ -176,7 +176,9 @@ def from_arenas(manifest: Manifest, fds: list[int], mode: str = "zero_copy",
     maps = [arenas.map_readonly(fd, a.size, a.device, device) for fd, a in zip(fds, manifest.arenas, strict=True)]
     if mode == "copy":
         maps = [m.clone() for m in maps]
-    tensors = {e.name: arenas.view(maps[e.arena], e) for e in manifest.tensors}
+    tensors = {}
+    for i, arena in enumerate(maps):
+        tensors.update(arenas.views(arena, [e for e in manifest.tensors if e.arena == i]))
     return Weights(tensors, dict(manifest.aliases), "cache", manifest.fingerprint)
 
 

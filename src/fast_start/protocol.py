@@ -20,7 +20,7 @@ import array
 import json
 import os
 import socket
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from .errors import FastStartError
 
@@ -142,7 +142,8 @@ _TYPES = {"int": int, "str": str, "dict": dict, "list": list, "float": (int, flo
 
 
 def encode(msg) -> bytes:
-    data = json.dumps(asdict(msg), separators=(",", ":")).encode()
+    # Shallow: asdict() would deep-copy a manifest of thousands of entries on every reply.
+    data = json.dumps({f.name: getattr(msg, f.name) for f in fields(msg)}, separators=(",", ":")).encode()
     return len(data).to_bytes(_HEADER, "big") + data
 
 
