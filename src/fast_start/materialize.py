@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import arena as arenas
-from . import quant, shard
+from . import quant, shard, staging
 from .checkpoint import Checkpoint, open_checkpoint, tensor_reader
 from .errors import QuantizationError
 from .fingerprint import LAYOUTS, Fingerprint, WeightSpec, fingerprint
@@ -30,19 +30,20 @@ def derive(ckpt: Checkpoint, spec: WeightSpec, read: Reader, device: str | torch
            ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, contiguous tensor on `device`) for every tensor of this rank, in checkpoint order."""
     method, dtype, tp = check_spec(ckpt, spec)
+    to_device = staging.to_device(device)
     for name, info in ckpt.tensors.items():
         if shard.SKIP.search(name):
             continue
         scale = shard.SCALE.match(name)
         if scale:                                   # a pre-quantized checkpoint's scale
-            t = read(name, None).to(device)
+            t = to_device(read(name, None))
             yield name, shard.shard(name, t, tp, ckpt.tensors[scale.group(1)].shape).contiguous()
         elif method.quantize and quant.is_quantized(name):
-            q, s = method.quantize(read(name, None).to(device))
+            q, s = method.apply(to_device(read(name, None)))
             yield name, shard.shard(name, q, tp).contiguous()
             yield name + method.scale_suffix, shard.shard(name + method.scale_suffix, s, tp, info.shape).contiguous()
         else:
-            t = read(name, shard.cut_for(name, info.shape, tp)).to(device)
+            t = to_device(read(name, shard.cut_for(name, info.shape, tp)))
             yield name, _cast(name, t, dtype).contiguous()
 
 

@@ -82,6 +82,18 @@ def to_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q[:out, :inp].contiguous(), scale
 
 
+def _tensor_scale(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return ()
+
+
+def _channel_scale(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (shape[0], 1)
+
+
+def _block_scale(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK))
+
+
 @dataclass(frozen=True)
 class Method:
     name: str
@@ -90,14 +102,24 @@ class Method:
     verified_for_sharing: bool     # cache and disk checked bit-identical for every TP rank
     prequantized: bool = False     # the checkpoint already holds quantized weights
     params: dict = field(default_factory=dict)   # what the quantization-config hash covers
+    scale_shape: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None
+
+    def apply(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`quantize(w)`; on `meta` only the output shapes and dtypes (no slow meta decompositions)."""
+        if w.is_meta:
+            return (torch.empty(w.shape, dtype=FP8, device="meta"),
+                    torch.empty(self.scale_shape(tuple(w.shape)), dtype=torch.float32, device="meta"))
+        return self.quantize(w)
 
 
 METHODS = {m.name: m for m in (
     Method("none", None, "", True),
-    Method("fp8", to_fp8, "_scale", True, params={"format": "e4m3fn", "scale": "tensor"}),
-    Method("fp8-channel", to_fp8_channel, "_scale", True, params={"format": "e4m3fn", "scale": "channel"}),
+    Method("fp8", to_fp8, "_scale", True, params={"format": "e4m3fn", "scale": "tensor"},
+           scale_shape=_tensor_scale),
+    Method("fp8-channel", to_fp8_channel, "_scale", True, params={"format": "e4m3fn", "scale": "channel"},
+           scale_shape=_channel_scale),
     Method("fp8-block", to_fp8_block, "_scale_inv", True,
-           params={"format": "e4m3fn", "scale": "block", "block": [BLOCK, BLOCK]}),
+           params={"format": "e4m3fn", "scale": "block", "block": [BLOCK, BLOCK]}, scale_shape=_block_scale),
     Method("fp8-checkpoint", None, "", True, prequantized=True),
     # Packed 4-bit weights with two scale levels; shard rules for its packing are not verified yet.
     Method("nvfp4-checkpoint", None, "", False, prequantized=True),
