@@ -52,8 +52,8 @@ def daemons(tmp_path):
     from fast_start.harness import Daemon
     started = []
 
-    def start(config, gpu=0, env=None, wait=True):
-        d = Daemon(tmp_path, config, gpu, env)
+    def start(config, gpu=0, env=None, wait=True, listen=None):
+        d = Daemon(tmp_path, config, gpu, env, listen=listen)
         started.append(d)
         return d.wait_ready() if wait else d
     yield start

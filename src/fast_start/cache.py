@@ -28,6 +28,7 @@ class Entry:
     fds: list[int]
     fill_seconds: float
     filled_at: float = field(default_factory=time.time)
+    names: list[str] = field(default_factory=list)     # its FDNAMEs in systemd's fd store
 
     def __post_init__(self):
         self.manifest_dict = json.loads(self.manifest.to_json())   # encoded once, sent to every engine
@@ -48,8 +49,8 @@ class Lease:
 
 
 class Cache:
-    def __init__(self, gpu: int, device: str, on_release: str):
-        self.gpu, self.device, self.on_release = gpu, device, on_release
+    def __init__(self, gpu: int, device: str, on_release: str, on_evict=lambda entry: None):
+        self.gpu, self.device, self.on_release, self.on_evict = gpu, device, on_release, on_evict
         self.entries: dict[str, Entry] = {}
         self.leases: dict[int, Lease] = {}
         self.evictions: collections.deque = collections.deque(maxlen=200)
@@ -136,8 +137,15 @@ class Cache:
                 self._evict(name, "manual")
         return protocol.Report({"evicted": names})
 
+    def record(self, model: str, reason: str, nbytes: int = 0) -> None:
+        """An eviction that happened outside a request (e.g. a stored arena the config no longer matches)."""
+        with self.lock:
+            self.evictions.append({"time": time.time(), "model": model, "reason": reason, "bytes": nbytes,
+                                   "leases": 0})
+
     def _evict(self, name: str, reason: str) -> None:
         entry = self.entries.pop(name)
+        self.on_evict(entry)
         for fd in entry.fds:
             os.close(fd)       # engines that mapped it keep it alive until they exit
         self.evictions.append({"time": time.time(), "model": name, "reason": reason, "bytes": entry.nbytes,

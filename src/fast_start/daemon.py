@@ -1,11 +1,14 @@
 """`fast-start daemon --gpu N`: fill the cache for GPU N, then serve it.
 
 Start-up order is the contract with systemd and engines:
-1. load and validate the config, then every model's headers (TP sizes, rules, quantization):
-   a mistake fails here, before any tensor data is read;
+1. load and validate the config; re-adopt what systemd's fd store kept from a previous process
+   (`fdstore.py`: fingerprint checked against the config, checksums re-verified); then check
+   every other model's headers (TP sizes, rules, quantization, memory budget): a mistake fails
+   here, before any tensor data is read;
 2. create and check the socket directory;
-3. fill every model in a worker child process, relaying its progress as `STATUS=` and extending
-   the start timeout (`EXTEND_TIMEOUT_USEC=`) while it advances;
+3. fill the remaining models in a worker child process, relaying its progress as `STATUS=` and
+   extending the start timeout (`EXTEND_TIMEOUT_USEC=`) while it advances; store each result in
+   systemd's fd store;
 4. bind `gpu<N>.sock` (0600, or 0660 for a configured group) only now, then `READY=1`;
 5. serve: one thread per connection, peers checked with `SO_PEERCRED` before a byte is read;
    the main loop pings the watchdog, ends leases of exited processes and watches for SIGTERM.
@@ -29,10 +32,11 @@ import time
 from pathlib import Path
 
 from . import config as configs
-from . import notify, protocol, trust
+from . import fdstore, notify, protocol, trust
 from .cache import Cache, Entry
 from .checkpoint import open_checkpoint
 from .errors import FastStartError
+from .fingerprint import fingerprint
 from .manifest import Manifest, pack
 from .materialize import plan
 
@@ -75,20 +79,21 @@ class Daemon:
     def __init__(self, cfg: configs.Config, gpu: int):
         self.cfg, self.gpu = cfg, gpu
         self.models = cfg.models_on(gpu)
-        self.cache = Cache(gpu, device_id(cfg.daemon.device, gpu), cfg.daemon.on_release)
+        self.cache = Cache(gpu, device_id(cfg.daemon.device, gpu), cfg.daemon.on_release,
+                           on_evict=lambda entry: fdstore.remove(entry.names))
         self.stop = threading.Event()
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.group = grp.getgrnam(cfg.daemon.allowed_groups[0]).gr_gid if cfg.daemon.allowed_groups else None
         self.allowed_gids = {grp.getgrnam(g).gr_gid for g in cfg.daemon.allowed_groups}
 
     # -- start-up ------------------------------------------------------------------------------
-    def check_models(self) -> None:
+    def check_models(self, models) -> None:
         """Every model's headers against its spec, and the total against the memory budget.
 
         Reads headers and config.json only, no tensor data.
         """
-        need = 0
-        for m in self.models:
+        need = sum(e.nbytes for e in self.cache.entries.values())
+        for m in models:
             _, sizes = pack(plan(open_checkpoint(m.path), m.spec(self.gpu)))
             need += sum(sizes)
         total = device_memory(self.cfg.daemon.device, self.gpu)
@@ -104,20 +109,16 @@ class Daemon:
         tmp.write_text(json.dumps({"gpu": self.gpu, "state": state, "pid": os.getpid(), "time": time.time(), **extra}))
         tmp.replace(path)
 
-    def fill(self) -> None:
-        device = "cpu" if self.cfg.daemon.device == "cpu" else f"cuda:{self.gpu}"
-        jobs = [{"model": m.name, "spec": m.spec(self.gpu).__dict__, "device": device,
-                 "bandwidth": configs.parse_bytes(self.cfg.daemon.fill_bandwidth)} for m in self.models]
-        if not jobs:
-            return
+    def worker(self, jobs: list[dict], pass_fds: list[int] = ()):
+        """Run the worker child on `jobs`, yielding its messages; keeps systemd's start timeout
+        extended while the child lives and makes progress."""
         ours, theirs = socket.socketpair()
         proc = subprocess.Popen([sys.executable, "-m", "fast_start.worker", str(theirs.fileno()), json.dumps(jobs)],
-                                pass_fds=[theirs.fileno()])
+                                pass_fds=[theirs.fileno(), *pass_fds])
         theirs.close()
-        by_name = {m.name: m for m in self.models}
-        last_progress = time.monotonic()
+        last_progress, finished = time.monotonic(), False
         try:
-            while len(self.cache.entries) < len(jobs):
+            while True:
                 if self.stop.is_set():
                     raise FillError("stopped during the fill", "start the daemon again")
                 notify.notify(f"EXTEND_TIMEOUT_USEC={EXTEND_USEC}")
@@ -125,25 +126,92 @@ class Daemon:
                     if time.monotonic() - last_progress > STALL_S:
                         raise FillError(f"the fill made no progress for {STALL_S} s", "check the model's storage")
                     continue
-                msg, fds = protocol.recv(ours, allowed=("progress", "filled", "error"))
+                msg, fds = protocol.recv(ours, allowed=("progress", "filled", "report", "error"))
                 last_progress = time.monotonic()
                 if msg is None:
-                    raise FillError(f"the fill worker exited (code {proc.wait()}) before finishing",
-                                    "see the traceback above in the log")
+                    code = proc.wait()
+                    if code:
+                        raise FillError(f"the fill worker exited with code {code}", "see the traceback in the log")
+                    finished = True
+                    return
                 if isinstance(msg, protocol.Error):
                     raise FillError(msg.what, msg.fix)
-                if isinstance(msg, protocol.Progress):
-                    self.report_progress(msg)
-                    continue
-                manifest = Manifest.from_dict(msg.manifest)
-                self.cache.add(Entry(by_name[msg.model], manifest, fds, msg.seconds))
-                log.info("cached %s rank %d: %.2f GiB in %.1f s", msg.model, manifest.fingerprint.rank,
-                         sum(a.size for a in manifest.arenas) / 2**30, msg.seconds)
+                yield msg, fds
         finally:
             ours.close()
-            if proc.poll() is None and len(self.cache.entries) < len(jobs):
+            if not finished and proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+    def fill(self, models) -> None:
+        device = "cpu" if self.cfg.daemon.device == "cpu" else f"cuda:{self.gpu}"
+        jobs = [{"model": m.name, "spec": m.spec(self.gpu).__dict__, "device": device,
+                 "bandwidth": configs.parse_bytes(self.cfg.daemon.fill_bandwidth)} for m in models]
+        if not jobs:
+            return
+        by_name = {m.name: m for m in models}
+        for msg, fds in self.worker(jobs):
+            if isinstance(msg, protocol.Progress):
+                self.report_progress(msg)
+                continue
+            manifest = Manifest.from_dict(msg.manifest)
+            entry = Entry(by_name[msg.model], manifest, fds, msg.seconds)
+            entry.names = fdstore.store(msg.model, manifest, fds, entry.filled_at)
+            self.cache.add(entry)
+            log.info("cached %s rank %d: %.2f GiB in %.1f s", msg.model, manifest.fingerprint.rank,
+                     entry.nbytes / 2**30, msg.seconds)
+
+    def adopt(self) -> set[str]:
+        """Re-adopt what systemd's fd store kept from a previous daemon process.
+
+        A stored shard is kept only if the config still asks for exactly it (same fingerprint,
+        computed from the config and the checkpoint's headers, no tensor data read) and its
+        checksums still hold; anything else is dropped, and its model filled again.
+        """
+        stored, problems = fdstore.adopt()
+        for p in problems:
+            log.warning("dropped %s", p)
+        device = self.cache.device
+        keep, jobs = [], []
+        for st in stored:
+            model = next((m for m in self.models if m.name == st.model), None)
+            reason = None
+            if model is None:
+                reason = f"GPU {self.gpu} no longer serves {st.model!r}"
+            elif any(a.device != device for a in st.manifest.arenas):
+                reason = "it lives on another device"
+            else:
+                fields = st.manifest.fingerprint.diff(fingerprint(model.spec(self.gpu)))
+                reason = f"the config changed its {', '.join(fields)}" if fields else None
+            if reason:
+                self.drop(st, reason, "config change")
+                continue
+            keep.append((model, st))
+            jobs.append({"model": st.model, "verify": json.loads(st.manifest.to_json()), "fds": st.fds,
+                         "device": "cpu" if device == "cpu" else f"cuda:{self.gpu}"})
+        bad = {}
+        if jobs:
+            notify.status(f"verifying {len(jobs)} model(s) kept by systemd's fd store")
+            bad = {msg.body["model"]: msg.body["bad"] for msg, _ in self.worker(jobs, [fd for _, st in keep
+                                                                                         for fd in st.fds])}
+        adopted = set()
+        for model, st in keep:
+            if bad.get(st.model, ["(not verified)"]):
+                self.drop(st, f"checksums differ ({len(bad.get(st.model, []))} tensors)", "checksum")
+                continue
+            entry = Entry(model, st.manifest, st.fds, 0.0, st.filled_at, st.names)
+            self.cache.add(entry)
+            adopted.add(st.model)
+            log.info("re-adopted %s rank %d (%.2f GiB) from systemd's fd store", st.model,
+                     st.manifest.fingerprint.rank, entry.nbytes / 2**30)
+        return adopted
+
+    def drop(self, st: fdstore.Stored, why: str, reason: str) -> None:
+        log.warning("dropping the stored arena of %s: %s", st.model, why)
+        for fd in st.fds:
+            os.close(fd)
+        fdstore.remove(st.names)
+        self.cache.record(st.model, reason, sum(a.size for a in st.manifest.arenas))
 
     def report_progress(self, p: protocol.Progress) -> None:
         text = f"filling {p.model} rank {p.rank}: {p.done / 2**30:.2f} / {p.total / 2**30:.2f} GiB"
@@ -238,13 +306,15 @@ class Daemon:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop.set())
-        self.check_models()
+        start = time.monotonic()
+        adopted = self.adopt()
+        to_fill = [m for m in self.models if m.name not in adopted]
+        self.check_models(to_fill)
         trust.prepare_socket_dir(self.cfg.daemon.socket_dir, self.group)
         self.write_state("loading")
-        notify.status(f"filling {len(self.models)} model(s)")
-        start = time.monotonic()
+        notify.status(f"filling {len(to_fill)} model(s), {len(adopted)} kept by systemd's fd store")
         try:
-            self.fill()
+            self.fill(to_fill)
             listener = self.bind()
         except FastStartError as e:
             if self.stop.is_set():       # SIGTERM during the fill: a clean stop, not a failure

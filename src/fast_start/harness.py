@@ -27,7 +27,7 @@ class NotifyListener:
         self.sock.bind(str(path))
         self.sock.settimeout(0.2)
         self.messages: list[tuple[float, str, bool]] = []   # (time, text, watched path existed)
-        self.fds: list[int] = []
+        self.store: dict[str, int] = {}                      # the fd store, as systemd keeps it
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -39,9 +39,17 @@ class NotifyListener:
             except socket.timeout:
                 continue
             exists = bool(self.watch and self.watch.exists())
-            for _level, kind, payload in anc:
-                if kind == socket.SCM_RIGHTS:
-                    self.fds += list(memoryview(payload).cast("i"))
+            fds = [fd for _, kind, payload in anc if kind == socket.SCM_RIGHTS
+                   for fd in memoryview(payload).cast("i")]
+            fields = dict(line.split("=", 1) for line in data.decode().split("\n") if "=" in line)
+            name = fields.get("FDNAME", "stored")
+            if fields.get("FDSTOREREMOVE") == "1" and name in self.store:
+                os.close(self.store.pop(name))
+            for fd in fds:
+                if fields.get("FDSTORE") == "1" and name not in self.store:
+                    self.store[name] = fd
+                else:
+                    os.close(fd)
             for line in data.decode().split("\n"):
                 self.messages.append((time.monotonic(), line, exists))
 
@@ -61,8 +69,9 @@ class NotifyListener:
         self.done.set()
         self.thread.join()
         self.sock.close()
-        for fd in self.fds:
+        for fd in self.store.values():
             os.close(fd)
+        self.store.clear()
 
 
 def write_config(path: Path, socket_dir: Path, models: list[dict], **daemon) -> Path:
@@ -82,10 +91,29 @@ def _toml(v) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
+# Puts the given fds at 3, 4, ... and sets LISTEN_PID to its own pid, then execs the daemon.
+_LISTEN = """
+import os, sys
+given = [int(fd) for fd in sys.argv[1].split(",")]
+moved = [os.dup(fd) for fd in given]            # increasing, each >= its target: no clobbering
+for i, fd in enumerate(moved):
+    if fd != 3 + i:
+        os.dup2(fd, 3 + i)
+    os.set_inheritable(3 + i, True)     # dup2 onto itself would leave close-on-exec set
+for fd in given:
+    if fd >= 3 + len(given):
+        os.close(fd)
+os.environ["LISTEN_PID"] = str(os.getpid())
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
 class Daemon:
     """`fast-start daemon --gpu N` as a real process with its own NOTIFY_SOCKET listener."""
 
-    def __init__(self, tmp: Path, config: Path, gpu: int = 0, env: dict | None = None, log=None):
+    def __init__(self, tmp: Path, config: Path, gpu: int = 0, env: dict | None = None, log=None,
+                 listen: dict[str, int] | None = None):
+        """`listen`: FDNAME -> fd handed to the daemon as systemd does (LISTEN_FDS, from fd 3 on)."""
         self.config, self.gpu = config, gpu
         # Read the socket directory without validating: tests start daemons on bad configs on purpose.
         self.socket_dir = Path(tomllib.loads(config.read_text())["daemon"]["socket_dir"])
@@ -93,9 +121,14 @@ class Daemon:
         self.listener = NotifyListener(tmp / f"notify-{gpu}-{time.monotonic_ns()}", self.socket)
         self.log = Path(log or tmp / f"daemon-{gpu}.log")
         full_env = {**os.environ, "NOTIFY_SOCKET": str(self.listener.path), **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "fast_start.cli", "daemon", "--gpu", str(gpu),
-                                      "--config", str(config)], env=full_env,
-                                     stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+        command = [sys.executable, "-m", "fast_start.cli", "daemon", "--gpu", str(gpu), "--config", str(config)]
+        listen = listen or {}
+        if listen:
+            full_env.update(LISTEN_FDS=str(len(listen)), LISTEN_FDNAMES=":".join(listen))
+            command = [sys.executable, "-c", _LISTEN, ",".join(map(str, listen.values())), *command]
+        with open(self.log, "w") as log_file:
+            self.proc = subprocess.Popen(command, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
+                                         pass_fds=list(listen.values()))
 
     def wait_ready(self, timeout: float = 120.0) -> "Daemon":
         try:

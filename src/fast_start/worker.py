@@ -5,8 +5,10 @@ casts, quantizes and shards them into arenas, and sends each model's manifest wi
 fds back over a socketpair. The daemon keeps nothing but those fds, so a crash in here costs
 a fill, never the serving process.
 
-Run as `python -m fast_start.worker FD JOBS_JSON`; JOBS_JSON is a list of
-{"model": name, "spec": WeightSpec fields, "device": "cpu"|"cuda", "bandwidth": bytes/s}.
+Run as `python -m fast_start.worker FD JOBS_JSON`; JOBS_JSON is a list of fill jobs
+{"model": name, "spec": WeightSpec fields, "device": "cpu"|"cuda:N", "bandwidth": bytes/s} and
+verify jobs {"model": name, "verify": manifest, "fds": [inherited fd numbers], "device": ...}
+(checksums of arenas re-adopted from systemd's fd store).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import traceback
 from . import protocol
 from .errors import FastStartError
 from .fingerprint import WeightSpec
+from .client import from_arenas
+from .manifest import Manifest, checksum
 from .materialize import materialize
 
 PROGRESS_EVERY = 0.2   # seconds between progress frames
@@ -37,9 +41,6 @@ def fill(sock: socket.socket, job: dict) -> None:
             last[0] = now
             protocol.send(sock, protocol.Progress(job["model"], spec.rank, done, total))
 
-    if job["device"].startswith("cuda"):
-        import torch
-        torch.cuda.set_device(job["device"])     # the context lives here, never in the daemon
     manifest, fds = materialize(spec, job["device"], progress=progress)
     try:
         protocol.send(sock, protocol.Filled(job["model"], json.loads(manifest.to_json()),
@@ -49,11 +50,22 @@ def fill(sock: socket.socket, job: dict) -> None:
             os.close(fd)
 
 
+def verify(sock: socket.socket, job: dict) -> None:
+    """Recompute the checksums of arenas the daemon re-adopted from systemd's fd store."""
+    manifest = Manifest.from_dict(job["verify"])
+    weights = from_arenas(manifest, job["fds"], "zero_copy", job["device"])
+    bad = [e.name for e in manifest.tensors if checksum(weights.tensors[e.name]) != e.checksum]
+    protocol.send(sock, protocol.Report({"model": job["model"], "bad": bad}))
+
+
 def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[0]))
     try:
         for job in json.loads(argv[1]):
-            fill(sock, job)
+            if job["device"].startswith("cuda"):
+                import torch
+                torch.cuda.set_device(job["device"])     # the context lives here, never in the daemon
+            (verify if "verify" in job else fill)(sock, job)
     except FastStartError as e:
         protocol.send(sock, protocol.Error(e.what, e.fix))
         return 1

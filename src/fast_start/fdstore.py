@@ -1,0 +1,93 @@
+"""The cache in systemd's file-descriptor store, so that it outlives the daemon process.
+
+After a fill, each model's arena fds and a sealed memfd holding its manifest go to the store
+(`FDSTORE=1`, `FDNAME=fs-<key>-m` / `fs-<key>-a<j>`, key = the fingerprint digest's first 16
+hex digits). When systemd starts the daemon again (crash + `Restart=on-failure`,
+`systemctl restart`), it passes them back (`LISTEN_FDS`, `LISTEN_FDNAMES`) and the daemon
+re-adopts them instead of reading the checkpoint. An eviction removes them (`FDSTOREREMOVE=1`).
+systemd 252 empties the store on `stop` (and on a failure with `Restart=no`).
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from dataclasses import dataclass
+
+from . import notify
+from .errors import FastStartError
+from .manifest import Manifest
+
+PREFIX = "fs"
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+
+
+@dataclass
+class Stored:
+    """One model shard handed back by systemd."""
+    model: str
+    manifest: Manifest
+    fds: list[int]
+    names: list[str]
+    filled_at: float
+
+
+def store(model: str, manifest: Manifest, fds: list[int], filled_at: float) -> list[str]:
+    """Put a model's manifest and arena fds into the store; returns their FDNAMEs (none without systemd)."""
+    key = manifest.fingerprint.digest()[:16]
+    names = [f"{PREFIX}-{key}-m"] + [f"{PREFIX}-{key}-a{j}" for j in range(len(fds))]
+    record = json.dumps({"model": model, "manifest": json.loads(manifest.to_json()), "filled_at": filled_at}).encode()
+    mfd = os.memfd_create(f"fast-start:{model}-manifest", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.write(mfd, record)
+        fcntl.fcntl(mfd, fcntl.F_ADD_SEALS, _SEALS)
+        if not notify.notify(f"FDSTORE=1\nFDNAME={names[0]}", [mfd]):
+            return []
+    finally:
+        os.close(mfd)
+    for name, fd in zip(names[1:], fds, strict=True):
+        notify.notify(f"FDSTORE=1\nFDNAME={name}", [fd])
+    return names
+
+
+def remove(names: list[str]) -> None:
+    for name in names:
+        notify.notify(f"FDSTOREREMOVE=1\nFDNAME={name}")
+
+
+def adopt() -> tuple[list[Stored], list[str]]:
+    """What systemd passed back: (complete shards, problems found, each already dropped)."""
+    groups: dict[str, dict[str, tuple[str, int]]] = {}
+    for name, fd in notify.listen_fds():
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != PREFIX:
+            os.close(fd)
+            remove([name])
+            continue
+        groups.setdefault(parts[1], {})[parts[2]] = (name, fd)
+    stored, problems = [], []
+    for key, group in groups.items():
+        names = [n for n, _ in group.values()]
+        fds = {part: fd for part, (_, fd) in group.items()}
+        try:
+            stored.append(_shard(fds, names))
+        except (FastStartError, OSError, ValueError, KeyError, TypeError) as e:
+            problems.append(f"stored arena {key}: {e}")
+            for fd in fds.values():
+                os.close(fd)
+            remove(names)
+    return stored, problems
+
+
+def _shard(fds: dict[str, int], names: list[str]) -> Stored:
+    mfd = fds["m"]
+    if fcntl.fcntl(mfd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
+        raise ValueError("manifest memfd is not sealed")
+    size = os.fstat(mfd).st_size
+    record = json.loads(os.pread(mfd, size, 0))
+    manifest = Manifest.from_dict(record["manifest"])
+    arenas = [fds[f"a{j}"] for j in range(len(manifest.arenas))]
+    if len(arenas) != len(fds) - 1:
+        raise ValueError("stored arenas do not match the manifest")
+    os.close(mfd)
+    return Stored(record["model"], manifest, arenas, names, float(record["filled_at"]))

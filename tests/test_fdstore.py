@@ -1,0 +1,80 @@
+"""The cache outlives the daemon process through the fd store (systemd's protocol, emulated by
+the test's NOTIFY_SOCKET listener; tests/test_systemd.py does the same under a real systemd)."""
+from __future__ import annotations
+
+import shutil
+import signal
+import struct
+import time
+
+import torch
+
+import fast_start
+from fast_start.harness import write_config
+
+
+def model(path, **kw):
+    return {"name": "llama", "path": str(path), "gpus": [0], "engine_version": "test", **kw}
+
+
+def strip_data(folder) -> None:
+    """Keep every shard's header, drop its tensor data: any attempt to read a tensor now fails."""
+    for f in folder.glob("*.safetensors"):
+        raw = f.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        f.write_bytes(raw[:8 + n])
+
+
+def raw(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_restarted_daemon_readopts_the_store_without_reading_tensors(tmp_path, llama, daemons):
+    folder = shutil.copytree(llama, tmp_path / "model")
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model(folder, quantization="fp8")])
+    spec = fast_start.WeightSpec(str(folder), quantization="fp8", engine_version="test")
+    disk = fast_start.fetch(spec, socket_dir=str(tmp_path / "none"))
+    first = daemons(cfg)
+    names = sorted(first.listener.store)
+    assert len(names) == 2 and names[0].endswith("-a0") and names[1].endswith("-m")
+    first.proc.send_signal(signal.SIGKILL)                 # a crash
+    first.proc.wait(30)
+    strip_data(folder)
+    listen = dict(first.listener.store)
+    second = daemons(cfg, listen=listen)
+    assert not second.listener.texts("STATUS=filling llama")
+    assert "re-adopted llama rank 0" in second.log.read_text()
+    cache = fast_start.fetch(spec, socket_dir=str(tmp_path / "run"), fallback=False)
+    assert cache.fingerprint == disk.fingerprint
+    for name in disk:
+        assert torch.equal(raw(cache[name]), raw(disk[name])), name
+
+
+def test_changed_config_drops_the_stored_arena_and_refills(tmp_path, llama, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model(llama)])
+    first = daemons(cfg)
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(30)
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model(llama, engine_version="new")])
+    second = daemons(cfg, listen=dict(first.listener.store))
+    log = second.log.read_text()
+    assert "the config changed its engine_version" in log
+    assert second.listener.texts("STATUS=filling llama")
+    assert len(second.listener.texts("FDSTOREREMOVE=1")) == 2      # the manifest and the arena
+    w = fast_start.fetch(fast_start.WeightSpec(str(llama), engine_version="new"),
+                         socket_dir=str(tmp_path / "run"), fallback=False)
+    assert w.source == "cache"
+
+
+def test_eviction_removes_the_model_from_the_store(tmp_path, llama, daemons):
+    from fast_start import protocol
+    from fast_start.client import connect, request
+    d = daemons(write_config(tmp_path / "fs.toml", tmp_path / "run", [model(llama)]))
+    assert len(d.listener.store) == 2
+    with connect(d.socket, 5) as conn:
+        request(conn, protocol.Hello(protocol.VERSION))
+        request(conn, protocol.Evict("llama"))
+    deadline = time.monotonic() + 5
+    while d.listener.store and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.listener.store == {}
