@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test clean
+.PHONY: demo test clean system-deps
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,15 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m fast_start.demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed system-deps
 	$(PY) -m pytest -q
+
+# The systemd tests boot a real systemd in a container (systemd-nspawn). As root, install it;
+# otherwise those tests skip and say why.
+system-deps:
+	@if [ "$$(id -u)" = 0 ] && ! command -v systemd-nspawn >/dev/null 2>&1 && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd-container; \
+	fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -281,13 +281,15 @@ def _dtype(path: Path, name: str, code: str) -> torch.dtype:
 def _validated_header(path: Path) -> tuple[bytes, dict]:
     """Let safetensors validate the file, then parse the header ourselves (duplicates, diagnosis)."""
     try:
+        with open(path, "rb"):
+            pass          # a plain open first: safetensors reports EACCES as "No such file or directory"
         with safe_open(str(path), framework="pt"):
             pass
     except SafetensorError as e:
         raise CheckpointError(f"{path}: {_explain(path, str(e))}",
                               "re-download or re-export this file") from None
     except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e}", "check the file's permissions") from None
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}", "check the file's permissions") from None
     raw = raw_header(path)
     header = json.loads(raw[8:], object_pairs_hook=_no_duplicates(path))
     header.pop("__metadata__", None)
