@@ -120,3 +120,18 @@ def test_two_daemons_serve_two_engines_by_gpu_uuid(tmp_path, llama, daemons):
     sources = run_ranks(llama, "nccl", ["cuda:1", "cuda:0"], tmp_path / "run", tmp_path / "logits", envs)
     assert sources == ["cache", "cache"]
     assert_close_bf16(torch.load(tmp_path / "logits"), reference(llama, "cuda:0"))
+
+
+def test_cuda_arenas_survive_the_daemon_through_the_fd_store(tmp_path, llama, daemons):
+    spec = fast_start.WeightSpec(str(llama), quantization="fp8-block", engine_version="test")
+    cfg = cuda_config(tmp_path, [model("llama", llama, quantization="fp8-block")])
+    first = daemons(cfg)
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(30)
+    second = daemons(cfg, listen=dict(first.listener.store))
+    assert "re-adopted llama rank 0" in second.log.read_text()
+    assert not second.listener.texts("STATUS=filling llama")
+    cache = fast_start.fetch(spec, device="cuda:0", socket_dir=str(tmp_path / "run"), fallback=False)
+    disk = fast_start.fetch(spec, device="cuda:0", socket_dir=str(tmp_path / "none"))
+    for name in disk:
+        assert torch.equal(raw(cache[name]), raw(disk[name])), name
