@@ -1,6 +1,7 @@
 """The CUDA device end to end (marker `gpu`; skipped without CUDA)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -135,3 +136,14 @@ def test_cuda_arenas_survive_the_daemon_through_the_fd_store(tmp_path, llama, da
     disk = fast_start.fetch(spec, device="cuda:0", socket_dir=str(tmp_path / "none"))
     for name in disk:
         assert torch.equal(raw(cache[name]), raw(disk[name])), name
+
+
+def test_verify_deep_compares_cuda_arenas_with_the_disk(tmp_path, llama, daemons):
+    from typer.testing import CliRunner
+    from fast_start.cli import app
+    cfg = cuda_config(tmp_path, [model("llama", llama, quantization="fp8")])
+    daemons(cfg)
+    r = CliRunner().invoke(app, ["verify", "--model", str(llama), "--config", str(cfg), "--deep", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout) == [{"gpu": 0, "model": "llama", "match": True, "fields": [],
+                                     "tensors_differing": []}]

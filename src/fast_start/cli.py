@@ -235,13 +235,25 @@ def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpe
         return [f"(cache miss: {reply.reason})"]
     manifest = Manifest.from_dict(reply.manifest)
     try:
-        cached = from_arenas(manifest, fds)
+        cached = from_arenas(manifest, fds, device=_local_device(manifest.arenas[0].device))
     finally:
         for fd in fds:
             os.close(fd)
     disk, _, _ = load_from_disk(spec)
     return [e.name for e in manifest.tensors
             if checksum(cached[e.name]) != e.checksum or e.name not in disk or checksum(disk[e.name]) != e.checksum]
+
+
+def _local_device(arena_device: str) -> str:
+    """This process's name for the device an arena lives on ("cpu", or the GPU with that UUID)."""
+    if arena_device == "cpu":
+        return "cpu"
+    import torch
+    from . import vmm
+    for i in range(torch.cuda.device_count()):
+        if vmm.device_uuid(i) == arena_device:
+            return f"cuda:{i}"
+    raise FastStartError(f"GPU {arena_device} is not visible to this process", "unset CUDA_VISIBLE_DEVICES")
 
 
 @app.command()
