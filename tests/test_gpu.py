@@ -148,3 +148,18 @@ def test_verify_deep_compares_cuda_arenas_with_the_disk(tmp_path, llama, daemons
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout) == [{"gpu": 0, "model": "llama", "match": True, "fields": [],
                                      "tensors_differing": []}]
+
+
+@pytest.mark.parametrize("mode", ["zero_copy", "copy"])
+def test_transformers_model_from_a_cuda_daemon(tmp_path, llama, daemons, mode):
+    transformers = pytest.importorskip("transformers")
+    from fast_start.transformers import load
+    daemons(cuda_config(tmp_path, [model("llama", llama)]))
+    spec = fast_start.WeightSpec(str(llama), engine_version="test")
+    m = load(str(llama), spec, device="cuda:0", mode=mode, socket_dir=str(tmp_path / "run"), fallback=False)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(llama), dtype=torch.bfloat16).to("cuda:0").eval()
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3]], device="cuda:0")
+    with torch.no_grad():
+        got = m.generate(ids, max_new_tokens=12, do_sample=False)
+        want = ref.generate(ids, max_new_tokens=12, do_sample=False)
+    assert m.fast_start_source == "cache" and torch.equal(got, want)
