@@ -6,7 +6,6 @@ the lock for every change. It never raises for a bad request: the reply says wha
 from __future__ import annotations
 
 import collections
-import json
 import os
 import threading
 import time
@@ -31,7 +30,7 @@ class Entry:
     names: list[str] = field(default_factory=list)     # its FDNAMEs in systemd's fd store
 
     def __post_init__(self):
-        self.manifest_dict = json.loads(self.manifest.to_json())   # encoded once, sent to every engine
+        self.manifest_dict = self.manifest.to_dict()   # encoded once, sent to every engine
 
     @property
     def nbytes(self) -> int:

@@ -165,11 +165,15 @@ def fingerprints(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool 
     def human(data):
         for d in data:
             for m in d["models"]:
-                table = Table("field", "value", title=f"GPU {d['gpu']}: {m['name']} ({m['digest'][:16]})")
-                for k, v in m["fingerprint"].items():
-                    table.add_row(k, str(v))
-                out.print(table)
+                _field_table(f"GPU {d['gpu']}: {m['name']} ({m['digest'][:16]})", m["fingerprint"])
     emit(data, as_json, human)
+
+
+def _field_table(title: str, fields: dict) -> None:
+    table = Table("field", "value", title=title)
+    for k, v in fields.items():
+        table.add_row(k, str(v))
+    out.print(table)
 
 
 @app.command("fingerprint")
@@ -185,12 +189,7 @@ def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint 
                      open_checkpoint(model))
     data = {"digest": fp.digest(), "fingerprint": fp.to_dict()}
 
-    def human(d):
-        table = Table("field", "value", title=f"fingerprint {d['digest'][:16]}")
-        for k, v in d["fingerprint"].items():
-            table.add_row(k, str(v))
-        out.print(table)
-    emit(data, as_json, human)
+    emit(data, as_json, lambda d: _field_table(f"fingerprint {d['digest'][:16]}", d["fingerprint"]))
 
 
 @app.command()

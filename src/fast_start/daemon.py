@@ -187,7 +187,7 @@ class Daemon:
                 self.drop(st, reason, "config change")
                 continue
             keep.append((model, st))
-            jobs.append({"model": st.model, "verify": json.loads(st.manifest.to_json()), "fds": st.fds,
+            jobs.append({"model": st.model, "verify": st.manifest.to_dict(), "fds": st.fds,
                          "device": "cpu" if device == "cpu" else f"cuda:{self.gpu}"})
         bad = {}
         if jobs:

@@ -38,7 +38,7 @@ def store(model: str, manifest: Manifest, fds: list[int], filled_at: float) -> l
         return []
     key = manifest.fingerprint.digest()[:16]
     names = [f"{PREFIX}-{key}-m"] + [f"{PREFIX}-{key}-a{j}" for j in range(len(fds))]
-    record = json.dumps({"model": model, "manifest": json.loads(manifest.to_json()), "filled_at": filled_at}).encode()
+    record = json.dumps({"model": model, "manifest": manifest.to_dict(), "filled_at": filled_at}).encode()
     mfd = os.memfd_create(f"fast-start:{model}-manifest", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.write(mfd, record)

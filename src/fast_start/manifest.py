@@ -50,10 +50,13 @@ class Manifest:
     tensors: tuple[TensorEntry, ...]
     aliases: dict[str, str]
 
+    def to_dict(self) -> dict:
+        """The JSON object `from_dict` reads back."""
+        return {"fingerprint": self.fingerprint.to_dict(), "arenas": [asdict(a) for a in self.arenas],
+                "tensors": [asdict(t) for t in self.tensors], "aliases": dict(self.aliases)}
+
     def to_json(self) -> bytes:
-        d = {"fingerprint": self.fingerprint.to_dict(), "arenas": [asdict(a) for a in self.arenas],
-             "tensors": [asdict(t) for t in self.tensors], "aliases": self.aliases}
-        return json.dumps(d, separators=(",", ":")).encode()
+        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes | str) -> "Manifest":

@@ -122,7 +122,7 @@ def materialize(spec: WeightSpec, device: str = "cpu", arena_limit: int | None =
     done, total, final = 0, sum(e.nbytes for e in entries), []
     try:
         with tensor_reader(ckpt) as read:
-            for name, t in derive(ckpt, spec, read, _compute_device(device)):
+            for name, t in derive(ckpt, spec, read, device):     # compute where the arena is
                 e = by_name[name]
                 writers[e.arena].write(e.offset, t)
                 final.append(replace(e, checksum=checksum(t)))
@@ -139,6 +139,3 @@ def materialize(spec: WeightSpec, device: str = "cpu", arena_limit: int | None =
     manifest.validate()
     return manifest, fds
 
-
-def _compute_device(arena_device: str) -> str:
-    return "cpu" if arena_device == "cpu" else arena_device      # "cuda:N": compute where the arena is

@@ -43,7 +43,7 @@ def fill(sock: socket.socket, job: dict) -> None:
 
     manifest, fds = materialize(spec, job["device"], progress=progress)
     try:
-        protocol.send(sock, protocol.Filled(job["model"], json.loads(manifest.to_json()),
+        protocol.send(sock, protocol.Filled(job["model"], manifest.to_dict(),
                                             time.monotonic() - start), fds)
     finally:
         for fd in fds:
