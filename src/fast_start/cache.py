@@ -179,7 +179,7 @@ class Cache:
     def fingerprints(self) -> dict:
         with self.lock:
             return {"gpu": self.gpu, "models": [{"name": n, "path": e.model.path,
-                                                 "digest": e.manifest.fingerprint.digest(),
+                                                 "digest": e.manifest.fingerprint.digest(), "bytes": e.nbytes,
                                                  "fingerprint": e.manifest.fingerprint.to_dict()}
                                                 for n, e in self.entries.items()]}
 

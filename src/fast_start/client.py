@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -65,7 +64,7 @@ def fetch(spec: WeightSpec, device: str | torch.device = "cpu", mode: str = "zer
     if mode not in MODES:
         raise FastStartError(f"fetch mode {mode!r} is unknown", f"use one of {', '.join(MODES)}")
     want = fingerprint(spec)
-    directory = Path(socket_dir or os.environ.get("FAST_START_SOCKET_DIR") or DEFAULT_SOCKET_DIR)
+    directory = _socket_dir(socket_dir)
     try:
         return _from_cache(want, torch.device(device), mode, directory, connect_timeout)
     except FastStartError as miss:
@@ -78,8 +77,16 @@ def fetch(spec: WeightSpec, device: str | torch.device = "cpu", mode: str = "zer
     return Weights(tensors, aliases, "disk", fp)
 
 
+def _socket_dir(socket_dir: str | None) -> Path:
+    return Path(socket_dir or os.environ.get("FAST_START_SOCKET_DIR") or DEFAULT_SOCKET_DIR)
+
+
+def _sockets(directory: Path) -> list[Path]:
+    return sorted(directory.glob("gpu*.sock")) if directory.is_dir() else []
+
+
 def _from_cache(want: Fingerprint, device: torch.device, mode: str, directory: Path, timeout: float) -> Weights:
-    sockets = sorted(directory.glob("gpu*.sock")) if directory.is_dir() else []
+    sockets = _sockets(directory)
     if not sockets:
         raise CacheMiss(f"no fast-start daemon socket in {directory}",
                         "start the daemon (systemctl start fast-start@N) or pass socket_dir")
@@ -207,10 +214,8 @@ def load_into(module: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> t
         chosen[tuple(names)] = src
     unexpected = [n for n in weights if n not in used]
     if missing or unexpected or wrong:
-        raise LoadError("weights do not fit the module: " + "; ".join(
-            f"{label} {items[:5]}{' …' if len(items) > 5 else ''}"
-            for label, items in (("missing", missing), ("unexpected", unexpected), ("mismatched", wrong)) if items),
-            "build the module for the same architecture, TP rank, dtype and quantization as the weights")
+        raise fit_error(missing, unexpected, wrong,
+                        "build the module for the same architecture, TP rank, dtype and quantization as the weights")
     for names, src in chosen.items():
         value = src if not isinstance(state[names[0]], torch.nn.Parameter) else torch.nn.Parameter(src, requires_grad=False)
         for name in names:
@@ -219,3 +224,29 @@ def load_into(module: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> t
             table = sub._parameters if attr in sub._parameters else sub._buffers
             table[attr] = value
     return module
+
+
+def fit_error(missing: list[str], unexpected: list[str], wrong: list[str], fix: str) -> LoadError:
+    """One LoadError listing (the first few of) each kind of misfit between weights and a module."""
+    return LoadError("weights do not fit the module: " + "; ".join(
+        f"{label} {items[:5]}{' …' if len(items) > 5 else ''}"
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("mismatched", wrong)) if items), fix)
+
+
+def cached_bytes(spec: WeightSpec, device: str | torch.device = "cpu", socket_dir: str | None = None,
+                 connect_timeout: float = 5.0) -> int:
+    """Bytes the daemon serving `device` holds for exactly `spec`'s fingerprint; 0 if none does."""
+    digest = fingerprint(spec).digest()
+    device_id = _device_id(torch.device(device))
+    for path in _sockets(_socket_dir(socket_dir)):
+        try:
+            with connect(path, connect_timeout) as conn:
+                if request(conn, protocol.Hello(protocol.VERSION)).device != device_id:
+                    continue
+                models = request(conn, protocol.Fingerprints()).body["models"]
+        except (FastStartError, OSError):
+            continue
+        found = [m["bytes"] for m in models if m["digest"] == digest]
+        if found:
+            return found[0]
+    return 0

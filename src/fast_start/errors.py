@@ -44,8 +44,8 @@ class CacheMiss(FastStartError):
     """
 
     def __init__(self, what: str, fix: str = "", fields: tuple[str, ...] = ()):
-        super().__init__(what, fix)
-        self.fields = fields
+        super().__init__(what + (f"; differing fields: {', '.join(fields)}" if fields else ""), fix)
+        self.what, self.fields = what, tuple(fields)
 
 
 class NoDaemon(FastStartError):

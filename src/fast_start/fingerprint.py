@@ -20,7 +20,7 @@ from .checkpoint import Checkpoint, raw_header, read_config, shard_files
 LAYOUT_VERSION = 1
 
 
-LAYOUTS = ("hf",)
+LAYOUTS = ("hf", "vllm")
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,13 @@ tensors quantized here are read whole because a per-tensor scale needs the whole
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Callable, Iterator
 
 import torch
 
 from . import arena as arenas
-from . import quant, shard, staging
+from . import layout, quant, shard, staging
 from .checkpoint import Checkpoint, open_checkpoint, tensor_reader
 from .errors import QuantizationError
 from .fingerprint import LAYOUTS, Fingerprint, WeightSpec, fingerprint
@@ -28,23 +28,30 @@ Reader = Callable[[str, "shard.Cut | None"], torch.Tensor]
 
 def derive(ckpt: Checkpoint, spec: WeightSpec, read: Reader, device: str | torch.device = "cpu"
            ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, contiguous tensor on `device`) for every tensor of this rank, in checkpoint order."""
+    """Yield (name, contiguous tensor on `device`) for every tensor of this rank in `spec.layout`."""
     method, dtype, tp = check_spec(ckpt, spec)
-    to_device = staging.to_device(device)
+    tensors = _rank_tensors(ckpt, read, method, dtype, tp, staging.to_device(device))
+    for name, t in layout.arrange(spec.layout, ckpt.dims, tp.size, tensors):
+        yield name, t.contiguous()
+
+
+def _rank_tensors(ckpt: Checkpoint, read: Reader, method: quant.Method, dtype: torch.dtype, tp: shard.TP,
+                  to_device: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's tensors under the checkpoint's names, in checkpoint order."""
     for name, info in ckpt.tensors.items():
         if shard.SKIP.search(name):
             continue
         scale = shard.SCALE.match(name)
         if scale:                                   # a pre-quantized checkpoint's scale
             t = to_device(read(name, None))
-            yield name, shard.shard(name, t, tp, ckpt.tensors[scale.group(1)].shape).contiguous()
+            yield name, shard.shard(name, t, tp, ckpt.tensors[scale.group(1)].shape)
         elif method.quantize and quant.is_quantized(name):
             q, s = method.apply(to_device(read(name, None)))
-            yield name, shard.shard(name, q, tp).contiguous()
-            yield name + method.scale_suffix, shard.shard(name + method.scale_suffix, s, tp, info.shape).contiguous()
+            yield name, shard.shard(name, q, tp)
+            yield name + method.scale_suffix, shard.shard(name + method.scale_suffix, s, tp, info.shape)
         else:
             t = to_device(read(name, shard.cut_for(name, info.shape, tp)))
-            yield name, _cast(name, t, dtype).contiguous()
+            yield name, _cast(name, t, dtype)
 
 
 def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -60,8 +67,11 @@ def check_spec(ckpt: Checkpoint, spec: WeightSpec):
         raise QuantizationError(f"layout {spec.layout!r} is not supported", f"use one of {', '.join(LAYOUTS)}")
     method = quant.method(spec.quantization)
     quant.require_verified(method)
+    if spec.layout == "vllm" and method.name != "none":
+        raise QuantizationError(f"layout \"vllm\" caches unquantized weights only, not {method.name!r}",
+                                "use quantization = \"none\" with layout = \"vllm\", or layout = \"hf\"")
     dtype = quant.dtype(spec.dtype)
-    tp = shard.check_tp(ckpt.dims, spec.tensor_parallel_size, spec.rank)
+    tp = shard.check_tp(ckpt.dims, spec.tensor_parallel_size, spec.rank, layout.vocab_padding(spec.layout))
     fp8 = [n for n, i in ckpt.tensors.items() if i.dtype == quant.FP8]
     if method.prequantized and not fp8:
         raise QuantizationError(f"{ckpt.folder} holds no FP8 weights, so {method.name!r} has nothing to pass through",
@@ -79,9 +89,9 @@ def check_spec(ckpt: Checkpoint, spec: WeightSpec):
     return method, dtype, tp
 
 
-def aliases(ckpt: Checkpoint) -> dict[str, str]:
-    """Tied weights the checkpoint stores once."""
-    if ckpt.dims.tie_word_embeddings and "lm_head.weight" not in ckpt.tensors:
+def aliases(ckpt: Checkpoint, spec: WeightSpec) -> dict[str, str]:
+    """Tied weights the checkpoint stores once (vLLM's model holds a tied lm_head as the embedding)."""
+    if spec.layout == "hf" and ckpt.dims.tie_word_embeddings and "lm_head.weight" not in ckpt.tensors:
         return {"lm_head.weight": "model.embed_tokens.weight"}
     return {}
 
@@ -102,7 +112,7 @@ def load_from_disk(spec: WeightSpec, device: str | torch.device = "cpu",
     plan(ckpt, spec)    # every error that headers can reveal, before any data is read
     with tensor_reader(ckpt) as read:
         tensors = {n: _owned(t) for n, t in derive(ckpt, spec, read, device)}
-    return tensors, aliases(ckpt), fingerprint(spec, ckpt)
+    return tensors, aliases(ckpt, spec), fingerprint(spec, ckpt)
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:
@@ -135,7 +145,7 @@ def materialize(spec: WeightSpec, device: str = "cpu", arena_limit: int | None =
             w.abort()
         raise
     manifest = Manifest(fingerprint(spec, ckpt), tuple(ArenaEntry(w.size, w.device) for w in writers),
-                        tuple(final), aliases(ckpt))
+                        tuple(final), aliases(ckpt, spec))
     manifest.validate()
     return manifest, fds
 

@@ -54,6 +54,7 @@ class TP:
     size: int
     num_kv_heads: int
     head_dim: int
+    vocab_padding: int = 0      # vocab-parallel tensors are split as if padded to this multiple
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,12 @@ def cut_for(name: str, shape: tuple[int, ...], tp: TP) -> Cut | None:
         return None
     dim = SPLIT_DIM[kind]
     full = shape[dim]
+    if kind == VOCAB and tp.vocab_padding:
+        # Split the padded vocabulary evenly; this rank holds the real rows of its part (the
+        # layout pads the rest with zeros), possibly none.
+        per = -(-full // tp.vocab_padding) * tp.vocab_padding // tp.size
+        start = min(tp.rank * per, full)
+        return Cut(dim, start, min(start + per, full) - start)
     if kind == KV and tp.num_kv_heads < tp.size:
         head = tp.rank // (tp.size // tp.num_kv_heads)   # consecutive ranks share one KV head
         return Cut(dim, head * tp.head_dim, tp.head_dim)
@@ -119,24 +126,26 @@ def _scale_cut(name: str, weight: str, suffix: str, scale: torch.Tensor,
     return Cut(cut.dim, cut.start // BLOCK, -(-cut.length // BLOCK))
 
 
-def check_tp(dims: ModelDims, size: int, rank: int) -> TP:
+def check_tp(dims: ModelDims, size: int, rank: int, vocab_padding: int = 0) -> TP:
     """Validate a TP size and rank against the model's dimensions, before any data is read."""
     if size < 1 or not 0 <= rank < size:
         raise ShardError(f"rank {rank} is outside a tensor-parallel group of size {size}",
                          f"use a rank from 0 to {size - 1}" if size >= 1 else "use a TP size of 1 or more")
-    bad = [d for d, ok in _constraints(dims, size) if not ok]
+    bad = [d for d, ok in _constraints(dims, size, vocab_padding) if not ok]
     if bad:
-        valid = [t for t in range(1, dims.num_heads + 1) if all(ok for _, ok in _constraints(dims, t))]
+        valid = [t for t in range(1, dims.num_heads + 1)
+                 if all(ok for _, ok in _constraints(dims, t, vocab_padding))]
         raise ShardError(f"TP size {size} does not divide {', '.join(bad)} of {dims.architecture}",
                          f"use one of the TP sizes {valid}")
-    return TP(rank, size, dims.num_kv_heads, dims.head_dim)
+    return TP(rank, size, dims.num_kv_heads, dims.head_dim, vocab_padding)
 
 
-def _constraints(d: ModelDims, t: int) -> list[tuple[str, bool]]:
+def _constraints(d: ModelDims, t: int, vocab_padding: int) -> list[tuple[str, bool]]:
     kv_ok = d.num_kv_heads % t == 0 or t % d.num_kv_heads == 0
+    vocab = -(-d.vocab_size // vocab_padding) * vocab_padding if vocab_padding else d.vocab_size
     out = [(f"num_attention_heads ({d.num_heads})", d.num_heads % t == 0),
            (f"num_key_value_heads ({d.num_kv_heads})", kv_ok),
-           (f"vocab_size ({d.vocab_size})", d.vocab_size % t == 0)]
+           (f"vocab_size ({d.vocab_size}{f', padded to {vocab}' if vocab_padding else ''})", vocab % t == 0)]
     if len(d.sparse_layers) < d.num_layers:
         out.append((f"intermediate_size ({d.intermediate_size})", d.intermediate_size % t == 0))
     if d.sparse_layers:

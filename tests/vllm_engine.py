@@ -1,0 +1,72 @@
+"""Run one real vLLM engine (CPU) and write what it loaded as JSON to the file `out`.
+
+    python vllm_engine.py '{"model": PATH, "tp": 1, "load_format": "fast_start", "extra": {...}, "out": FILE}'
+
+Reports, per TP rank: a SHA-256 of every parameter as loaded (just before vLLM's
+`process_weights_after_loading`, recorded by wrapping it) and of every parameter and buffer after
+it; `fast_start_source` where the fast-start loader set it; the external weight bytes the loader
+announces; and the greedy tokens for fixed prompts.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import sys
+
+import torch
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")    # apply_model sends a function
+
+from vllm import LLM, SamplingParams
+from vllm.model_executor.model_loader import base_loader, get_model_loader
+from vllm.model_executor.model_loader import utils as loader_utils
+
+PROMPTS = [[1, 17, 230, 45, 901, 3], [1, 500, 501, 502], [1, 7]]
+
+
+def digest(t: torch.Tensor) -> str:
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()[:24] + f":{t.dtype}{tuple(t.shape)}"
+
+
+def record_as_loaded(original):
+    def wrapped(model, model_config, target_device):
+        model.as_loaded = {n: digest(p) for n, p in model.named_parameters()}
+        return original(model, model_config, target_device)
+    return wrapped
+
+
+# Module level: vLLM spawns CPU workers, which import this file again as `__mp_main__`.
+_wrapped = record_as_loaded(loader_utils.process_weights_after_loading)
+loader_utils.process_weights_after_loading = base_loader.process_weights_after_loading = _wrapped
+
+
+def report(config, model: torch.nn.Module) -> dict:
+    from vllm.distributed import get_tensor_model_parallel_rank
+    external = get_model_loader(config.load_config).get_external_weight_memory(config)
+    final = {n: digest(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    return {"rank": get_tensor_model_parallel_rank(), "as_loaded": model.as_loaded, "final": final,
+            "source": getattr(model, "fast_start_source", None), "external_bytes": external}
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    if args["tp"] > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args["tp"])))
+    llm = LLM(args["model"], load_format=args.get("load_format", "auto"), tensor_parallel_size=args["tp"],
+              model_loader_extra_config=args.get("extra") or {}, dtype=args.get("dtype", "bfloat16"),
+              skip_tokenizer_init=True, max_model_len=256, enforce_eager=True, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=12, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    ranks = sorted(llm.apply_model(functools.partial(report, llm.llm_engine.vllm_config)), key=lambda r: r["rank"])
+    result = {"prompts": PROMPTS, "tokens": [list(o.outputs[0].token_ids) for o in outputs], "ranks": ranks}
+    with open(args["out"], "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
