@@ -5,7 +5,8 @@ ends with a ready `PreTrainedModel` on the device and its greedy tokens. Three w
 side in one run, on one Llama-shaped bf16 checkpoint (default ~8 GB, page cache hot):
 `AutoModelForCausalLM.from_pretrained(device_map=...)` from disk, and `fast_start.transformers.load`
 from a daemon's cache in `zero_copy` and `copy` mode. Reports the load call (median of
-`--repeat`), the whole process, and whether every restart produced the same tokens.
+`--repeat`), what every restart pays regardless (imports, config, CUDA context), the whole
+process, and whether every restart produced the same tokens.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from . import synth
 from .config import parse_bytes
 from .harness import Daemon, write_config
 
-# One restart: imports, then the load call timed to a synchronized, ready model, then tokens.
+# One restart. "prepare" is what every restart pays whatever the weights' source: imports (the
+# model's modeling module pulls in most of transformers), config.json and the CUDA context.
+# "load" is the weights: the load call, timed to a synchronized, ready model. Then the tokens.
 RESTART = """
 import json, sys, time
 t0 = time.perf_counter()
@@ -32,6 +35,9 @@ import torch, transformers
 from fast_start import WeightSpec
 from fast_start.transformers import load
 path, how, socket_dir, device = sys.argv[1:5]
+config = transformers.AutoConfig.from_pretrained(path)
+transformers.AutoModelForCausalLM._model_mapping[type(config)]     # imports the modeling module
+torch.zeros(1, device=device)
 t1 = time.perf_counter()
 if how == "from_pretrained":
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=device)
@@ -44,7 +50,7 @@ t2 = time.perf_counter()
 ids = torch.tensor([[1, 5, 9, 200, 17, 3]], device=device)
 with torch.no_grad():
     tokens = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0].tolist()
-print(json.dumps({"imports_s": t1 - t0, "load_s": t2 - t1, "tokens": tokens,
+print(json.dumps({"prepare_s": t1 - t0, "load_s": t2 - t1, "tokens": tokens,
                   "source": getattr(model, "fast_start_source", "disk")}))
 """
 WAYS = ("from_pretrained", "zero_copy", "copy")
@@ -88,7 +94,7 @@ def measure(size: int, root: Path, repeat: int, device: str) -> dict:
 def report(r: dict) -> list[str]:
     gb = r["checkpoint_bytes"] / 1e9
     runs = r["runs"]
-    med = {how: {k: statistics.median(x[k] for x in runs[how]) for k in ("load_s", "process_s", "imports_s")}
+    med = {how: {k: statistics.median(x[k] for x in runs[how]) for k in ("load_s", "process_s", "prepare_s")}
            for how in WAYS}
     same = len({json.dumps(x["tokens"]) for how in WAYS for x in runs[how]}) == 1
     sources = {how: sorted({x["source"] for x in runs[how]}) for how in WAYS}
@@ -97,7 +103,7 @@ def report(r: dict) -> list[str]:
     for how in WAYS:
         m = med[how]
         lines.append(f"{how:16} load {m['load_s']:7.3f} s  whole process {m['process_s']:7.2f} s"
-                     f"  (imports {m['imports_s']:.2f} s)  source {','.join(sources[how])}")
+                     f"  (prepare {m['prepare_s']:.2f} s)  source {','.join(sources[how])}")
     base = med["from_pretrained"]
     for how in ("zero_copy", "copy"):
         lines.append(f"{how}: load {base['load_s'] / med[how]['load_s']:.1f}x faster than from_pretrained,"
