@@ -113,17 +113,21 @@ def write_checkpoint(folder: str | Path, shape: Shape = Shape(), *, files: int =
         fname = "model.safetensors" if files == 1 else f"model-{i + 1:05d}-of-{files:05d}.safetensors"
         tensors = {}
         for name in names[i * per_file:(i + 1) * per_file]:
-            key = (shape.tensor_shape(name), name.endswith("norm.weight"))
-            t = drawn[key].clone() if key in drawn else None   # safetensors refuses shared memory
-            if t is None:
+            quantized = bool(fp8) and quant.is_quantized(name)
+            key = (shape.tensor_shape(name), name.endswith("norm.weight"), quantized)
+            pair = drawn.get(key)
+            if pair is None:
                 t = _random(key[0], name, gen)
+                pair = FP8_SCHEMES[fp8][0](t) if quantized else (t, None)
                 if reuse:
-                    drawn[key] = t
-            done += t.nbytes
-            if fp8 and quant.is_quantized(name):
-                fn, suffix = FP8_SCHEMES[fp8]
-                t, tensors[name + suffix] = fn(t)
+                    drawn[key] = pair
+            else:       # a reused tensor: safetensors refuses tensors that share memory
+                pair = tuple(x.clone() if x is not None else None for x in pair)
+            t, scale = pair
+            done += t.numel() * 2
             tensors[name] = t
+            if quantized:
+                tensors[name + FP8_SCHEMES[fp8][1]] = scale
         save_file(tensors, str(folder / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in tensors})
         if progress:
