@@ -222,3 +222,21 @@ def test_openai_api_server_serves_from_the_cache(work, checkpoints, reference, c
         server.terminate()
         server.wait(60)
         log.close()
+
+
+def test_register_is_idempotent_and_options_are_checked():
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from fast_start.vllm import FastStartLoader, Options, register
+    register()
+    register()
+    loader = get_model_loader(LoadConfig(load_format="fast_start",
+                                         model_loader_extra_config={"mode": "copy", "connect_timeout_s": 2}))
+    assert isinstance(loader, FastStartLoader)
+    assert loader.options == Options(mode="copy", fallback=True, socket_dir=None, connect_timeout_s=2)
+    for extra, message in (({"fallback": "no"}, "'fallback' is 'no'; it must be true or false"),
+                           ({"socket": "/run"}, "key 'socket' is unknown"),
+                           ({"connect_timeout_s": 0}, "connect_timeout_s must be above 0")):
+        with pytest.raises(ValueError, match=message):
+            Options.parse(extra)
