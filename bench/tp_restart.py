@@ -132,6 +132,14 @@ def rank_main(a) -> None:
     Path(a.out).write_text(json.dumps(out))
 
 
+def rank_env(gpus: int) -> dict[str, str]:
+    """Each engine rank gets its share of the CPUs for torch's thread pool, as engines arrange
+    (vLLM's GPU workers do the same); N ranks each spinning every core's worth of OpenMP threads
+    would measure thread contention instead of loading."""
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
+            or str(max(1, len(os.sched_getaffinity(0)) // gpus))}
+
+
 def all_ranks(a, what: str, model: Path, socket_dir: Path, layers: int, tmp: Path) -> list[dict]:
     start_at = time.time() + 20                           # imports and CUDA contexts happen before
     procs = []
@@ -140,7 +148,7 @@ def all_ranks(a, what: str, model: Path, socket_dir: Path, layers: int, tmp: Pat
         procs.append((out, subprocess.Popen([sys.executable, __file__, "--rank-of", what, "--rank", str(r),
                                              "--gpus", str(a.gpus), "--model", str(model), "--layers", str(layers),
                                              "--socket-dir", str(socket_dir), "--start-at", str(start_at),
-                                             "--repeat", str(a.repeat), "--out", str(out)])))
+                                             "--repeat", str(a.repeat), "--out", str(out)], env=rank_env(a.gpus))))
     for _, p in procs:
         if p.wait() != 0:
             raise SystemExit(f"{what} rank failed (exit {p.returncode})")
@@ -264,7 +272,8 @@ def forward_check(a, root: Path, tmp: Path) -> dict:
         out, port = tmp / "tp.pt", 29500 + os.getpid() % 1000
         run = str(tmp / "forward" / "run")
         procs = [subprocess.Popen([sys.executable, __file__, "--rank-of", "forward", "--rank", str(r), *common,
-                                   "--socket-dir", run, "--port", str(port), "--out", str(out)])
+                                   "--socket-dir", run, "--port", str(port), "--out", str(out)],
+                                  env=rank_env(a.gpus))
                  for r in range(a.gpus)]
         if any(p.wait() for p in procs):
             raise SystemExit("a forward rank failed")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -267,3 +268,15 @@ def test_bad_config_fails_fast_without_reading_a_checkpoint(tmp_path, small, dae
     d = daemons(cfg, wait=False)
     assert d.proc.wait(60) == 2
     assert "not verified for sharing" in d.log.read_text() and "bad.toml" in d.log.read_text()
+
+
+def test_fill_workers_share_the_cpus_between_the_hosts_daemons(tmp_path, small, monkeypatch):
+    from fast_start import config as configs
+    from fast_start.daemon import worker_env
+    cfg = configs.load(write_config(tmp_path / "fs.toml", tmp_path / "run", [
+        {"name": "a", "path": str(small), "gpus": [0, 1], "tensor_parallel_size": 2},
+        {"name": "b", "path": str(small), "gpus": [2, 3], "tensor_parallel_size": 2}]))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert worker_env(cfg)["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 4))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")          # the operator's choice wins
+    assert worker_env(cfg)["OMP_NUM_THREADS"] == "3"

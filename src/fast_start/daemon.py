@@ -48,6 +48,20 @@ IDLE_S = 60                # a connection silent this long mid-conversation is c
 MAX_CONNECTIONS = 256
 
 
+def worker_env(cfg: configs.Config) -> dict[str, str]:
+    """The fill worker's environment: its share of the CPUs for torch's thread pool.
+
+    Every GPU's daemon fills at boot, at once; each worker's OpenMP pool defaults to every CPU,
+    and N pools spinning on the same cores made a fill 10x slower on two H200s (1565 small
+    expert tensors: 10.6 s against 1.1 s). An OMP_NUM_THREADS set by the operator wins.
+    """
+    env = dict(os.environ)
+    if "OMP_NUM_THREADS" not in env:
+        daemons = len({g for m in cfg.models for g in m.gpus}) or 1
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // daemons))
+    return env
+
+
 class FillError(FastStartError):
     """The fill worker failed or stalled."""
 
@@ -114,7 +128,7 @@ class Daemon:
         extended while the child lives and makes progress."""
         ours, theirs = socket.socketpair()
         proc = subprocess.Popen([sys.executable, "-m", "fast_start.worker", str(theirs.fileno()), json.dumps(jobs)],
-                                pass_fds=[theirs.fileno(), *pass_fds])
+                                pass_fds=[theirs.fileno(), *pass_fds], env=worker_env(self.cfg))
         theirs.close()
         last_progress, finished = time.monotonic(), False
         try:
