@@ -40,11 +40,13 @@ SHAPES = {
     "qwen3": synth.Shape(architecture="Qwen3ForCausalLM", hidden_size=256, num_layers=2, num_heads=8,
                          num_kv_heads=2, head_dim=32, intermediate_size=512, vocab_size=1000,
                          tie_word_embeddings=True),
+    "qwen2": synth.Shape(architecture="Qwen2ForCausalLM", hidden_size=256, num_layers=2, num_heads=8,
+                         num_kv_heads=2, head_dim=32, intermediate_size=512, vocab_size=1000),   # q/k/v biases
     "qwen3-moe": synth.Shape(architecture="Qwen3MoeForCausalLM", hidden_size=256, num_layers=2, num_heads=8,
                              num_kv_heads=2, head_dim=32, intermediate_size=512, vocab_size=1000,
                              num_experts=4, moe_intermediate_size=128),
 }
-CACHED = [("llama", 1), ("qwen3", 1), ("qwen3-moe", 1), ("llama", 2)]
+CACHED = [("llama", 1), ("qwen3", 1), ("qwen3-moe", 1), ("llama", 2), ("qwen2", 2)]
 
 
 def run_engine(log: Path, model: Path, tp: int = 1, load_format: str = "auto", extra: dict | None = None,
