@@ -1,9 +1,10 @@
-"""Tensor-parallel sharding for the `hf` layout: a rule table plus one pure function.
+"""Tensor-parallel sharding: a rule table plus one pure function (`layout.py` merges the cuts).
 
 Column-parallel weights (q, k, v, gate, up, experts' w1/w3) are cut along dim 0 (output
 features), row-parallel ones (o, down, experts' w2) along dim 1 (input features); embeddings and
 lm_head are vocab-parallel (dim 0); norms and routers are replicated. Column biases are cut like
-their weight; row biases are replicated (added once after the all-reduce).
+their weight; row biases are replicated (added once after the all-reduce). The `hf` layout splits
+the vocabulary evenly; `vllm` splits it as if padded to a multiple of 64, as vLLM does.
 
 With grouped-query attention and more ranks than KV heads, each KV head is replicated to the
 `world / kv_heads` consecutive ranks that need it.
