@@ -159,8 +159,7 @@ def start_daemons(model: Path, gpus: int, tmp: Path) -> list[Daemon]:
     tmp.mkdir(parents=True, exist_ok=True)
     entry = {"name": "qwen3moe", "path": str(model), "gpus": list(range(gpus)), "tensor_parallel_size": gpus,
              "quantization": QUANT, "engine_version": "bench"}
-    cfg = write_config(tmp / "fs.toml", tmp / "run", [entry])
-    cfg.write_text(cfg.read_text().replace('device = "cpu"', 'device = "cuda"'))
+    cfg = write_config(tmp / "fs.toml", tmp / "run", [entry], device="cuda")
     daemons = [Daemon(tmp, cfg, g) for g in range(gpus)]    # all fill at once, as at boot
     for d in daemons:
         d.wait_ready(3600)

@@ -25,9 +25,7 @@ def raw(t):
 
 
 def cuda_config(tmp_path, models, **daemon):
-    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", models, **daemon)
-    cfg.write_text(cfg.read_text().replace('device = "cpu"', 'device = "cuda"'))
-    return cfg
+    return write_config(tmp_path / "fs.toml", tmp_path / "run", models, device="cuda", **daemon)
 
 
 def model(name, path, gpus=(0,), **kw):

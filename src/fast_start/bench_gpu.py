@@ -98,8 +98,7 @@ def measure(size: int, root: Path, repeat: int) -> dict:
             r[f"disk_{q}_s"] = median(lambda: fast_start.fetch(spec, device="cuda:0", socket_dir=none), 3)
         models = [{"name": q, "path": str(folder), "gpus": [0], "quantization": q, "engine_version": "bench"}
                   for q in ("none", "fp8")]
-        cfg = write_config(tmp / "fs.toml", tmp / "run", models)
-        cfg.write_text(cfg.read_text().replace('device = "cpu"', 'device = "cuda"'))
+        cfg = write_config(tmp / "fs.toml", tmp / "run", models, device="cuda")
         daemon = Daemon(tmp, cfg).wait_ready(900)
         try:
             with connect(daemon.socket, 10) as conn:

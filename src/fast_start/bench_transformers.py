@@ -77,9 +77,8 @@ def measure(size: int, root: Path, repeat: int, device: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="fast-start-bench-") as tmp:
         tmp = Path(tmp)
         cfg = write_config(tmp / "fs.toml", tmp / "run", [{"name": "llama", "path": str(folder), "gpus": [0],
-                                                            "engine_version": transformers.__version__}])
-        if device != "cpu":
-            cfg.write_text(cfg.read_text().replace('device = "cpu"', 'device = "cuda"'))
+                                                            "engine_version": transformers.__version__}],
+                           device="cpu" if device == "cpu" else "cuda")
         daemon = Daemon(tmp, cfg).wait_ready(900)
         try:
             restart(folder, "from_pretrained", tmp / "run", device)      # warm the page cache

@@ -74,8 +74,8 @@ class NotifyListener:
         self.store.clear()
 
 
-def write_config(path: Path, socket_dir: Path, models: list[dict], **daemon) -> Path:
-    lines = ["[daemon]", f'socket_dir = "{socket_dir}"', 'device = "cpu"']
+def write_config(path: Path, socket_dir: Path, models: list[dict], device: str = "cpu", **daemon) -> Path:
+    lines = ["[daemon]", f'socket_dir = "{socket_dir}"', f'device = "{device}"']
     lines += [f"{k} = {_toml(v)}" for k, v in daemon.items()]
     for m in models:
         lines += ["", "[[model]]"] + [f"{k} = {_toml(v)}" for k, v in m.items()]

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from .checkpoint import ModelDims
+from .shard import padded
 
 # vLLM's DEFAULT_VOCAB_PADDING_SIZE: vocab-parallel tensors hold a multiple of 64 rows in all.
 VLLM_VOCAB_PADDING = 64
@@ -37,10 +38,10 @@ MERGES = tuple((re.compile(p), target, how, parts) for p, target, how, parts in 
     (r"^(?P<p>.*)\.self_attn\.(?P<s>[qkv])_proj\.(?P<t>weight|bias)$", "{p}.self_attn.qkv_proj.{t}", CAT,
      ("q", "k", "v")),
     (r"^(?P<p>.*)\.mlp\.(?P<s>gate|up)_proj\.weight$", "{p}.mlp.gate_up_proj.weight", CAT, ("gate", "up")),
-    (r"^(?P<p>.*)\.mlp\.experts\.(?P<e>\d+)\.(?P<s>gate|up)_proj\.weight$", "{p}.mlp.experts.routed_experts.w13_weight", EXPERTS,
-     ("gate", "up")),
-    (r"^(?P<p>.*)\.mlp\.experts\.(?P<e>\d+)\.(?P<s>down)_proj\.weight$", "{p}.mlp.experts.routed_experts.w2_weight", EXPERTS,
-     ("down",)),
+    (r"^(?P<p>.*)\.mlp\.experts\.(?P<e>\d+)\.(?P<s>gate|up)_proj\.weight$",
+     "{p}.mlp.experts.routed_experts.w13_weight", EXPERTS, ("gate", "up")),
+    (r"^(?P<p>.*)\.mlp\.experts\.(?P<e>\d+)\.(?P<s>down)_proj\.weight$",
+     "{p}.mlp.experts.routed_experts.w2_weight", EXPERTS, ("down",)),
     (r"^(?P<p>.*)\.block_sparse_moe\.experts\.(?P<e>\d+)\.(?P<s>w[13])\.weight$",
      "{p}.block_sparse_moe.experts.routed_experts.w13_weight", EXPERTS, ("w1", "w3")),
     (r"^(?P<p>.*)\.block_sparse_moe\.experts\.(?P<e>\d+)\.(?P<s>w2)\.weight$",
@@ -94,8 +95,7 @@ def _combine(slots: dict[tuple[int, int], torch.Tensor], how: str, nparts: int) 
 
 
 def _rows_per_rank(vocab: int, tp_size: int) -> int:
-    padded = -(-vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
-    return padded // tp_size
+    return padded(vocab, VLLM_VOCAB_PADDING) // tp_size
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -83,7 +83,7 @@ def cut_for(name: str, shape: tuple[int, ...], tp: TP) -> Cut | None:
     if kind == VOCAB and tp.vocab_padding:
         # Split the padded vocabulary evenly; this rank holds the real rows of its part (the
         # layout pads the rest with zeros), possibly none.
-        per = -(-full // tp.vocab_padding) * tp.vocab_padding // tp.size
+        per = padded(full, tp.vocab_padding) // tp.size
         start = min(tp.rank * per, full)
         return Cut(dim, start, min(start + per, full) - start)
     if kind == KV and tp.num_kv_heads < tp.size:
@@ -127,6 +127,11 @@ def _scale_cut(name: str, weight: str, suffix: str, scale: torch.Tensor,
     return Cut(cut.dim, cut.start // BLOCK, -(-cut.length // BLOCK))
 
 
+def padded(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple` (0: unchanged)."""
+    return -(-n // multiple) * multiple if multiple else n
+
+
 def check_tp(dims: ModelDims, size: int, rank: int, vocab_padding: int = 0) -> TP:
     """Validate a TP size and rank against the model's dimensions, before any data is read."""
     if size < 1 or not 0 <= rank < size:
@@ -143,7 +148,7 @@ def check_tp(dims: ModelDims, size: int, rank: int, vocab_padding: int = 0) -> T
 
 def _constraints(d: ModelDims, t: int, vocab_padding: int) -> list[tuple[str, bool]]:
     kv_ok = d.num_kv_heads % t == 0 or t % d.num_kv_heads == 0
-    vocab = -(-d.vocab_size // vocab_padding) * vocab_padding if vocab_padding else d.vocab_size
+    vocab = padded(d.vocab_size, vocab_padding)
     out = [(f"num_attention_heads ({d.num_heads})", d.num_heads % t == 0),
            (f"num_key_value_heads ({d.num_kv_heads})", kv_ok),
            (f"vocab_size ({d.vocab_size}{f', padded to {vocab}' if vocab_padding else ''})", vocab % t == 0)]

@@ -53,6 +53,11 @@ def register() -> None:
         _registered = True
 
 
+# Each option's JSON types and how an error message names them.
+OPTION_TYPES = {"mode": ((str,), "a string"), "fallback": ((bool,), "true or false"),
+                "socket_dir": ((str,), "a string"), "connect_timeout_s": ((int, float), "a number")}
+
+
 @dataclass(frozen=True)
 class Options:
     mode: str = "zero_copy"
@@ -65,17 +70,17 @@ class Options:
         """`--model-loader-extra-config` as Options; a wrong key or type names it and the fix."""
         if not isinstance(extra, dict):
             raise ValueError(f"--model-loader-extra-config for load format {LOAD_FORMAT} must be a JSON object")
-        types = {"mode": str, "fallback": bool, "socket_dir": str, "connect_timeout_s": (int, float)}
         for key, value in extra.items():
-            if key not in types:
+            if key not in OPTION_TYPES:
                 raise ValueError(f"--model-loader-extra-config key {key!r} is unknown to load format "
-                                 f"{LOAD_FORMAT}; use {', '.join(types)}")
-            if not isinstance(value, types[key]) or (key == "connect_timeout_s" and isinstance(value, bool)):
-                raise ValueError(f"--model-loader-extra-config key {key!r} is {value!r}; it must be "
-                                 f"{'true or false' if key == 'fallback' else 'a number' if key == 'connect_timeout_s' else 'a string'}")
+                                 f"{LOAD_FORMAT}; use {', '.join(OPTION_TYPES)}")
+            types, kind = OPTION_TYPES[key]
+            if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+                raise ValueError(f"--model-loader-extra-config key {key!r} is {value!r}; it must be {kind}")
         options = cls(**extra)
         if options.mode not in MODES:
-            raise ValueError(f"--model-loader-extra-config mode {options.mode!r} is unknown; use one of {', '.join(MODES)}")
+            raise ValueError(f"--model-loader-extra-config mode {options.mode!r} is unknown; "
+                             f"use one of {', '.join(MODES)}")
         if options.connect_timeout_s <= 0:
             raise ValueError("--model-loader-extra-config connect_timeout_s must be above 0")
         return options
@@ -198,7 +203,8 @@ def install(model: torch.nn.Module, weights: Weights) -> None:
     """
     params = dict(model.named_parameters())
     wrong = [f"{n}: got {weights[n].dtype} {tuple(weights[n].shape)}, vLLM has {p.dtype} {tuple(p.shape)}"
-             for n, p in params.items() if n in weights and (weights[n].shape != p.shape or weights[n].dtype != p.dtype)]
+             for n, p in params.items()
+             if n in weights and (weights[n].shape != p.shape or weights[n].dtype != p.dtype)]
     missing = [n for n in params if n not in weights]
     unexpected = [n for n in weights if n not in params]
     if missing or unexpected or wrong:
