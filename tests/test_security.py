@@ -1,12 +1,13 @@
 """Who may connect: peer credentials, socket-directory and socket checks on both sides."""
 from __future__ import annotations
 
+import grp
+import json
 import os
 import pwd
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -18,17 +19,41 @@ from fast_start.harness import write_config
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
 NOBODY = pwd.getpwnam("nobody")
+USERS = grp.getgrnam("users").gr_gid
 
-# Connects as nobody and prints what the daemon answered.
+# Runs a snippet as nobody (with the given supplementary groups); prints what it prints.
 AS_NOBODY = textwrap.dedent("""
-    import os, socket, sys
+    import json, os, select, socket, sys
+    import fast_start
     from fast_start import protocol
-    os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[3]))
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(sys.argv[1])
-    protocol.send(s, protocol.Hello(protocol.VERSION))
-    reply, _ = protocol.recv(s)
-    print(reply.kind, getattr(reply, "what", ""))
+    from fast_start.client import connect, request
+    os.setgroups(json.loads(sys.argv[2])); os.setgid(65534); os.setuid(65534)
+    sock, what = sys.argv[1], sys.argv[3]
+    try:
+        if what == "hello":
+            with connect(sock, 5) as conn:
+                print(request(conn, protocol.Hello(protocol.VERSION)).kind)
+        elif what == "late hello":        # send only after the daemon's refusal and close are in
+            with connect(sock, 5) as conn:
+                p = select.poll(); p.register(conn, select.POLLRDHUP)
+                assert p.poll(10_000)
+                print(request(conn, protocol.Hello(protocol.VERSION)).kind)
+        elif what == "evict":
+            with connect(sock, 5) as conn:
+                request(conn, protocol.Hello(protocol.VERSION))
+                print(request(conn, protocol.Evict("small")).body)
+        elif what.startswith("status"):        # "status FOLDER": fetch it, then ask for the status
+            w = fast_start.fetch(fast_start.WeightSpec(what.split()[1], engine_version="test"),
+                                 socket_dir=os.path.dirname(sock), fallback=False)
+            with connect(sock, 5) as conn:
+                request(conn, protocol.Hello(protocol.VERSION))
+                print(json.dumps(request(conn, protocol.Status()).body))
+        else:                             # a fetch of the checkpoint folder `what`
+            w = fast_start.fetch(fast_start.WeightSpec(what, engine_version="test"),
+                                 socket_dir=os.path.dirname(sock), fallback=False)
+            print(w.source)
+    except fast_start.FastStartError as e:
+        print("error", e)
 """)
 
 
@@ -36,39 +61,78 @@ def model(path):
     return {"name": "small", "path": str(path), "gpus": [0], "engine_version": "test"}
 
 
-def connect_as_nobody(sock_path) -> str:
-    # Open the path up so that only SO_PEERCRED stands between nobody and the daemon.
-    os.chmod(sock_path.parent, 0o711)
-    os.chmod(sock_path, 0o666)
-    p = subprocess.run([sys.executable, "-c", AS_NOBODY, str(sock_path), str(NOBODY.pw_gid), str(NOBODY.pw_uid)],
-                       capture_output=True, text=True, timeout=60,
+def as_nobody(sock_path, what: str = "hello", groups=()) -> str:
+    p = subprocess.run([sys.executable, "-c", AS_NOBODY, str(sock_path), json.dumps(list(groups)), what],
+                       capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     return p.stdout.strip()
 
 
-@pytest.fixture
-def open_dir():
-    """A directory another uid can traverse (pytest's own tmp folders are private)."""
-    d = tempfile.mkdtemp(prefix="fast-start-sec-")
-    os.chmod(d, 0o711)
-    yield Path(d)
-    shutil.rmtree(d, ignore_errors=True)
+def readable_copy(small, open_dir) -> Path:
+    """The checkpoint where another user can read it."""
+    folder = shutil.copytree(small, open_dir / "model")
+    folder.chmod(0o755)
+    for f in folder.iterdir():
+        f.chmod(0o644)
+    return folder
 
 
 @root_only
-def test_connection_from_another_uid_is_refused(tmp_path, open_dir, small, daemons):
-    d = daemons(write_config(tmp_path / "fs.toml", open_dir / "run", [model(small)]))
-    assert connect_as_nobody(d.socket).startswith("error uid 65534 may not use this daemon")
-    os.chmod(d.socket, 0o600)
+@pytest.mark.parametrize("when", ["hello", "late hello"])
+def test_a_refused_peer_is_told_why(tmp_path, open_dir, small, daemons, when):
+    d = daemons(write_config(tmp_path / "fs.toml", open_dir / "run", [model(small)], allowed_uids=[12345]))
+    assert as_nobody(d.socket, when).startswith("error uid 65534 may not use this daemon")
     assert fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"),
                             socket_dir=str(open_dir / "run"), fallback=False).source == "cache"
 
 
 @root_only
-def test_allowed_uid_is_served(tmp_path, open_dir, small, daemons):
-    d = daemons(write_config(tmp_path / "fs.toml", open_dir / "run", [model(small)], allowed_uids=[NOBODY.pw_uid]))
-    assert connect_as_nobody(d.socket) == "welcome"
+def test_a_refused_operator_gets_one_line_from_the_cli(tmp_path, open_dir, small, daemons):
+    cfg = write_config(open_dir / "fs.toml", open_dir / "run", [model(small)], allowed_uids=[12345])
+    cfg.chmod(0o644)
+    daemons(cfg)
+    p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        Path(sys.executable).parent / "fast-start", "status", "--config", cfg],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3 and "Traceback" not in p.stderr
+    assert p.stderr.strip() == (f"error: GPU 0: uid 65534 may not use this daemon (fix: run as the daemon's user "
+                                "or list it in allowed_uids)")
+
+
+@root_only
+def test_an_allowed_uid_fetches_from_the_cache(tmp_path, open_dir, small, daemons):
+    folder = readable_copy(small, open_dir)
+    d = daemons(write_config(tmp_path / "fs.toml", open_dir / "run", [model(folder)], allowed_uids=[NOBODY.pw_uid]))
+    assert os.stat(d.socket).st_mode & 0o777 == 0o666 and os.stat(d.socket.parent).st_mode & 0o777 == 0o755
+    assert as_nobody(d.socket, str(folder)) == "cache"
+
+
+@root_only
+def test_engines_may_not_evict_or_see_others_and_admin_groups_may(tmp_path, open_dir, small, daemons):
+    folder = readable_copy(small, open_dir)
+    d = daemons(write_config(tmp_path / "fs.toml", open_dir / "run", [model(folder)], allowed_groups=["nogroup"],
+                             admin_groups=["users"]))
+    fast_start.fetch(fast_start.WeightSpec(str(folder), engine_version="test"), socket_dir=str(open_dir / "run"))
+    assert as_nobody(d.socket, str(folder)) == "cache"          # a member of nogroup is an engine
+    seen = json.loads(as_nobody(d.socket, f"status {folder}"))
+    assert "path" not in seen["models"][0]
+    assert [l["uid"] for l in seen["leases"]] == [NOBODY.pw_uid]   # root's lease is not shown
+    assert as_nobody(d.socket, "evict").startswith("error uid 65534 may not evict")
+    assert as_nobody(d.socket, "evict", groups=[USERS]) == "{'evicted': ['small']}"
+
+
+@root_only
+def test_an_engine_that_cannot_read_the_checkpoint_gets_a_clear_error(tmp_path, open_dir, small, daemons):
+    folder = readable_copy(small, open_dir)
+    d = daemons(write_config(tmp_path / "fs.toml", open_dir / "run", [model(folder)], allowed_uids=[NOBODY.pw_uid]))
+    (folder / "model.safetensors").chmod(0o600)       # nobody can reach the file, not read it
+    out = as_nobody(d.socket, str(folder))
+    assert out == (f"error cannot read {folder}/model.safetensors: Permission denied (fix: make the checkpoint "
+                   "readable by this process's user (uid 65534))"), out
+    folder.chmod(0o700)                               # nor enter the folder
+    out = as_nobody(d.socket, str(folder))
+    assert out.startswith(f"error cannot read {folder}: Permission denied (fix: make the checkpoint readable"), out
 
 
 @pytest.mark.parametrize("problem,message", [("world_writable", "group- or world-writable"),

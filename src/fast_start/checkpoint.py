@@ -12,6 +12,7 @@ The raw header bytes of each file (8-byte length + JSON) are kept: they feed the
 from __future__ import annotations
 
 import json
+import os
 import struct
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -177,10 +178,15 @@ def required_tensors(dims: ModelDims) -> list[str]:
 
 def raw_header(path: Path) -> bytes:
     """The 8-byte little-endian length and the JSON header, as stored."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-        return head + f.read(min(n, MAX_HEADER))
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            return head + f.read(min(n, MAX_HEADER))
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}",
+                              "make the checkpoint readable by this process's user (uid "
+                              f"{os.geteuid()})") from None
 
 
 @contextmanager
@@ -215,7 +221,12 @@ def tensor_reader(ckpt: Checkpoint) -> Iterator[Callable[[str], torch.Tensor]]:
 def shard_files(folder: Path) -> tuple[str, ...]:
     """The safetensors files of a model folder: those the index names, else every *.safetensors."""
     index = folder / INDEX
-    if index.exists():
+    try:
+        indexed = index.exists()
+    except OSError as e:
+        raise CheckpointError(f"cannot read {folder}: {e.strerror or e}", "make the checkpoint readable by this "
+                              f"process's user (uid {os.geteuid()})") from None
+    if indexed:
         files = sorted(set(_read_index(index).values()))
         for name in files:
             if not (folder / name).is_file():

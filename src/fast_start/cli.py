@@ -21,11 +21,11 @@ from rich.table import Table
 
 from . import config as configs
 from . import daemon as daemons
-from . import protocol
+from . import protocol, watch
 from .checkpoint import open_checkpoint
 from .client import connect, from_arenas, request
 from .config import ConfigError
-from .errors import FastStartError, NoDaemon
+from .errors import FastStartError, NoDaemon, Refused
 from .fingerprint import Fingerprint, WeightSpec, checkpoint_hash, fingerprint
 from .manifest import Manifest, checksum
 from .materialize import load_from_disk
@@ -41,7 +41,7 @@ JSON = typer.Option(False, "--json", help="machine-readable output")
 
 
 def fails(command):
-    """Map fast-start errors to one line on stderr and the documented exit code."""
+    """Map errors to one line on stderr and the documented exit code; never a traceback."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
@@ -50,6 +50,13 @@ def fails(command):
             print(f"error: {e}", file=sys.stderr)     # one line, never wrapped or highlighted
             code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, (NoDaemon, TrustError)) else 1
             raise typer.Exit(code) from None
+        except MemoryError:
+            print("error: out of memory (fix: raise the process's memory limit, e.g. LimitAS= or ulimit -v)",
+                  file=sys.stderr)
+            raise typer.Exit(1) from None
+        except OSError as e:
+            print(f"error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", file=sys.stderr)
+            raise typer.Exit(1) from None
     return wrapper
 
 
@@ -58,7 +65,7 @@ def socket_dir(config: Path) -> str:
         return os.environ["FAST_START_SOCKET_DIR"]
     if config == configs.DEFAULT_PATH and not config.exists():
         return configs.DEFAULT_SOCKET_DIR
-    return configs.load(config).daemon.socket_dir
+    return configs.load(config, check_paths=False).daemon.socket_dir
 
 
 def gpus(directory: str, gpu: int | None) -> list[int]:
@@ -74,15 +81,21 @@ def gpus(directory: str, gpu: int | None) -> list[int]:
 
 
 def ask(directory: str, gpu: int, msg, with_fds: bool = False):
-    """One request to GPU `gpu`'s daemon; NoDaemon when it cannot be reached."""
+    """One request to GPU `gpu`'s daemon; NoDaemon when it cannot be reached or refuses us."""
     path = daemons.socket_path(directory, gpu)
     try:
         conn = connect(path, timeout=10.0)
-    except (FileNotFoundError, ConnectionRefusedError, TrustError) as e:
-        raise NoDaemon(f"GPU {gpu}: no daemon reachable at {path} ({getattr(e, 'what', None) or e.strerror})",
+    except (OSError, TrustError) as e:
+        raise NoDaemon(f"GPU {gpu}: no daemon reachable at {path} ({getattr(e, 'what', None) or e.strerror or e})",
                        f"start it: systemctl start fast-start@{gpu}") from None
     with conn:
-        request(conn, protocol.Hello(protocol.VERSION))
+        try:
+            request(conn, protocol.Hello(protocol.VERSION))
+        except FastStartError as e:
+            raise Refused(f"GPU {gpu}: {e.what}", e.fix) from None
+        except OSError as e:
+            raise NoDaemon(f"GPU {gpu}: the daemon at {path} closed the connection ({e.strerror or e})",
+                           f"see journalctl -u fast-start@{gpu}") from None
         return request(conn, msg, with_fds)
 
 
@@ -110,13 +123,19 @@ def status(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON
     for g in gpus(directory, gpu):
         try:
             states.append(ask(directory, g, protocol.Status()).body)
+        except Refused:
+            raise
         except NoDaemon:
             state_file = daemons.state_path(directory, g)
             if not state_file.exists():
                 if gpu is not None:
                     raise
                 continue
-            state = json.loads(state_file.read_text())
+            try:
+                state = json.loads(state_file.read_text())
+            except (OSError, ValueError) as e:
+                raise NoDaemon(f"GPU {g}: no daemon answers and {state_file} is unreadable ({e})",
+                               "run as root or the daemon's user") from None
             if not _alive(state["pid"]):
                 state.update(state="failed", error=state.get("error") or f"daemon pid {state['pid']} is not running")
             states.append(state)
@@ -140,18 +159,21 @@ def _alive(pid: int) -> bool:
 def _status_table(states: list[dict]) -> None:
     table = Table("GPU", "state", "model", "rank/TP", "GiB", "fingerprint", "fill s", "leases")
     for s in states:
-        if s["state"] != "ready":
+        if "models" not in s:       # from the state file: loading or failed, no socket yet
             p = s.get("progress")
             detail = f"{p['model']} {p['done'] / 2**30:.2f}/{p['total'] / 2**30:.2f} GiB" if p else s.get("error", "")
             table.add_row(str(s["gpu"]), s["state"], detail, "", "", "", "", "")
             continue
         leases = s["leases"]
-        for m in s["models"] or [{}]:
+        for m in s["models"] or ([] if s["missing"] else [{}]):
             held = [f"{l['pid']}:{l['mode']}" for l in leases if l["model"] == m.get("name")]
             table.add_row(str(s["gpu"]), "ready", m.get("name", "(none)"),
                           f"{m['rank']}/{m['tensor_parallel_size']}" if m else "",
                           f"{m['bytes'] / 2**30:.2f}" if m else "", m.get("fingerprint", ""),
                           str(m.get("fill_seconds", "")), " ".join(held) or "-")
+        for m in s["missing"]:
+            table.add_row(str(s["gpu"]), m["state"], f"{m['name']}: {m['detail']}" if m["detail"] else m["name"],
+                          "", "", "", "", "")
     out.print(table)
 
 
@@ -200,18 +222,23 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
     """Does the cache match this checkpoint? Exit 0 on a match, 1 on a mismatch or nothing cached."""
     directory = socket_dir(config)
     ckpt = open_checkpoint(model)
+    files = watch.identity(model)
     results = []
     for g in gpus(directory, gpu):
         for m in ask(directory, g, protocol.Fingerprints()).body["models"]:
             stored = Fingerprint.from_dict(m["fingerprint"])
-            if Path(m["path"]).resolve() != model.resolve() and stored.checkpoint != checkpoint_hash(ckpt.headers):
+            same_folder = "path" in m and Path(m["path"]).resolve() == model.resolve()
+            if not same_folder and stored.checkpoint != checkpoint_hash(ckpt.headers):
                 continue
             spec = WeightSpec(str(model), stored.tensor_parallel_size, stored.rank, stored.dtype, stored.quantization,
                               stored.layout.split("/")[0], stored.revision, stored.engine_version)
             fields = list(stored.diff(fingerprint(spec, ckpt)))
-            result = {"gpu": g, "model": m["name"], "match": not fields, "fields": fields}
+            changed = watch.differs(m["files"], files)
+            if changed:      # the fill read other files, or these changed since
+                fields.append("files")
+            result = {"gpu": g, "model": m["name"], "match": not fields, "fields": fields, "files": changed}
             if deep and not fields:
-                result["tensors_differing"] = _deep_compare(directory, g, stored, spec)
+                result["tensors_differing"] = _deep_compare(directory, g, stored, spec, files)
                 result["match"] = not result["tensors_differing"]
             results.append(result)
 
@@ -219,7 +246,7 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
         if not rs:
             out.print(f"{model}: not cached by any daemon in {directory}")
         for r in rs:
-            why = f"differs in {', '.join(r['fields'])}" if r["fields"] else \
+            why = f"differs in {', '.join(r['fields'])}" + (f" ({r['files']})" if r["files"] else "") if r["fields"] else \
                 f"{len(r.get('tensors_differing', []))} tensors differ" if not r["match"] else "match"
             out.print(f"GPU {r['gpu']} {r['model']}: {why}" + (" (deep)" if deep and not r["fields"] else ""))
     emit(results, as_json, human)
@@ -227,9 +254,9 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
         raise typer.Exit(1)
 
 
-def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpec) -> list[str]:
+def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpec, files: dict) -> list[str]:
     """Names of tensors whose cached bytes or disk-derived bytes differ from the manifest's checksums."""
-    reply, fds = ask(directory, gpu, protocol.Acquire(stored.to_dict(), "zero_copy"), with_fds=True)
+    reply, fds = ask(directory, gpu, protocol.Acquire(stored.to_dict(), "zero_copy", files), with_fds=True)
     if isinstance(reply, protocol.Miss):
         return [f"(cache miss: {reply.reason})"]
     manifest = Manifest.from_dict(reply.manifest)

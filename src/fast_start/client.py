@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import arena as arenas
-from . import protocol, trust
+from . import protocol, trust, watch
 from .config import DEFAULT_SOCKET_DIR
 from .errors import CacheMiss, FastStartError, LoadError
 from .fingerprint import Fingerprint, WeightSpec, fingerprint
@@ -66,7 +66,7 @@ def fetch(spec: WeightSpec, device: str | torch.device = "cpu", mode: str = "zer
     want = fingerprint(spec)
     directory = _socket_dir(socket_dir)
     try:
-        return _from_cache(want, torch.device(device), mode, directory, connect_timeout)
+        return _from_cache(want, watch.identity(spec.path), torch.device(device), mode, directory, connect_timeout)
     except FastStartError as miss:
         fields = getattr(miss, "fields", ())
         if not fallback:
@@ -85,7 +85,8 @@ def _sockets(directory: Path) -> list[Path]:
     return sorted(directory.glob("gpu*.sock")) if directory.is_dir() else []
 
 
-def _from_cache(want: Fingerprint, device: torch.device, mode: str, directory: Path, timeout: float) -> Weights:
+def _from_cache(want: Fingerprint, files: watch.Identity, device: torch.device, mode: str, directory: Path,
+                timeout: float) -> Weights:
     sockets = _sockets(directory)
     if not sockets:
         raise CacheMiss(f"no fast-start daemon socket in {directory}",
@@ -97,11 +98,12 @@ def _from_cache(want: Fingerprint, device: torch.device, mode: str, directory: P
                 welcome = request(conn, protocol.Hello(protocol.VERSION))
                 if welcome.device != _device_id(device):
                     continue
-                reply, fds = request(conn, protocol.Acquire(want.to_dict(), mode), with_fds=True)
+                reply, fds = request(conn, protocol.Acquire(want.to_dict(), mode, files), with_fds=True)
                 if isinstance(reply, protocol.Acquired):
                     return _use(conn, reply, fds, want, mode, device)
-                misses.append((reply.reason + (f" from model {reply.model!r}" if reply.model else ""),
-                               "run `fast-start fingerprints` and compare with this engine's spec", reply.fields))
+                misses.append((reply.reason + (f" (model {reply.model!r})" if reply.model else ""),
+                               reply.fix or "run `fast-start fingerprints` and compare with this engine's spec",
+                               reply.fields))
         except FastStartError as e:
             misses.append((f"{path}: {e.what}", e.fix, ()))
         except OSError as e:
@@ -148,8 +150,18 @@ def connect(path: Path, timeout: float) -> socket.socket:
 
 
 def request(conn: socket.socket, msg, with_fds: bool = False):
-    """Send one request and return its reply (and fds when asked for); daemon errors raise."""
-    protocol.send(conn, msg)
+    """Send one request and return its reply (and fds when asked for); daemon errors raise.
+
+    A daemon that refuses a peer says why and closes at once, so the request may fail to send
+    (EPIPE): the refusal is then still waiting to be read, and is what this raises.
+    """
+    try:
+        protocol.send(conn, msg)
+    except (BrokenPipeError, ConnectionResetError):
+        reply, fds = protocol.recv(conn, accept_fds=False)
+        if isinstance(reply, protocol.Error):
+            raise FastStartError(reply.what, reply.fix) from None
+        raise
     reply, fds = protocol.recv(conn, accept_fds=with_fds)
     if reply is None:
         raise protocol.ProtocolError("the daemon closed the connection", "see the daemon's log")

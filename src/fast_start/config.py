@@ -5,13 +5,14 @@ impossible values each fail with one message naming the file, the key and the fi
 """
 from __future__ import annotations
 
+import grp
 import re
 import sys
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from . import quant
-from .errors import FastStartError
+from .errors import ConfigError
 from .fingerprint import LAYOUTS, WeightSpec
 
 if sys.version_info >= (3, 11):
@@ -25,19 +26,26 @@ ON_RELEASE = ("keep", "drop")     # "host" (demote to host RAM) is planned, not 
 DEVICES = ("cuda", "cpu")
 
 
-class ConfigError(FastStartError):
-    """The config file is unusable; the message names the file and the key."""
-
-
 @dataclass(frozen=True)
 class DaemonConfig:
     socket_dir: str = DEFAULT_SOCKET_DIR
     device: str = "cuda"
     on_release: str = "keep"
     memory_budget: str = "95%"
-    allowed_uids: tuple[int, ...] = ()      # besides the daemon's own uid
-    allowed_groups: tuple[str, ...] = ()    # members may connect; the socket becomes group-accessible
+    allowed_uids: tuple[int, ...] = ()      # engines besides the daemon's own uid and root
+    allowed_groups: tuple[str, ...] = ()    # members may connect as engines
+    admin_groups: tuple[str, ...] = ()      # members may also evict (as root and the daemon's user may)
     fill_bandwidth: str = "0"               # bytes/s the fill may read; "0" = unlimited
+    refill_on_change: bool = True           # refill a model whose checkpoint changed under it
+
+    @property
+    def shared(self) -> bool:
+        """Whether users other than the daemon's connect (the socket is then 0666, its folder 0755)."""
+        return bool(self.allowed_uids or self.allowed_groups or self.admin_groups)
+
+    def gids(self, key: str) -> frozenset[int]:
+        """The group ids of `allowed_groups` or `admin_groups` (names checked when the config loaded)."""
+        return frozenset(grp.getgrnam(g).gr_gid for g in getattr(self, key))
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,9 @@ class Config:
         return tuple(m for m in self.models if gpu in m.gpus)
 
 
-def load(path: str | Path = DEFAULT_PATH) -> Config:
+def load(path: str | Path = DEFAULT_PATH, check_paths: bool = True) -> Config:
+    """Read and validate the config. `check_paths=False` skips the model folders: commands that
+    only need the socket directory keep working while a model's storage is away (NFS down)."""
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
@@ -80,10 +90,10 @@ def load(path: str | Path = DEFAULT_PATH) -> Config:
         raise ConfigError(f"cannot read config file {path}: {e}", "check its permissions") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}", "fix the syntax at that line") from None
-    return parse(data, str(path))
+    return parse(data, str(path), check_paths)
 
 
-def parse(data: dict, path: str) -> Config:
+def parse(data: dict, path: str, check_paths: bool = True) -> Config:
     unknown = set(data) - {"daemon", "model"}
     if unknown:
         raise ConfigError(f"{path}: unknown section or key {sorted(unknown)[0]!r}",
@@ -100,7 +110,7 @@ def parse(data: dict, path: str) -> Config:
         if m.name in names:
             raise ConfigError(f"{where}: name {m.name!r} is used twice", "give every model its own name")
         names.add(m.name)
-        _check_model(m, where)
+        _check_model(m, where, check_paths)
     return Config(path, daemon, parsed)
 
 
@@ -115,6 +125,14 @@ def parse_bytes(text: str, total: int | None = None) -> int:
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
     return int(value * scale)
+
+
+def format_bytes(n: int) -> str:
+    """Bytes for people: "512 B", "7.50 MiB", "16.00 GiB"."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 
 
 def _table(cls, raw, path: str, where: str):
@@ -138,6 +156,8 @@ def _typed(value, annotation: str, where: str):
     """Check a TOML value against a field's annotation (kept as a string by `annotations`)."""
     if annotation == "str":
         ok = isinstance(value, str)
+    elif annotation == "bool":
+        ok = isinstance(value, bool)
     elif annotation == "int":
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif annotation.startswith("tuple[int"):
@@ -147,7 +167,8 @@ def _typed(value, annotation: str, where: str):
         ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
         value = tuple(value) if ok else value
     if not ok:
-        kind = {"str": "a string", "int": "an integer"}.get(annotation, "a list of " + annotation[6:9] + "s")
+        kind = {"str": "a string", "int": "an integer", "bool": "true or false"}.get(
+            annotation, "a list of " + annotation[6:9] + "s")
         raise ConfigError(f"{where} is {value!r}, not {kind}", f"write it as {kind}")
     return value
 
@@ -162,6 +183,15 @@ def _check_daemon(d: DaemonConfig, path: str) -> None:
             + (" (the host-memory tier is not built yet)" if d.on_release == "host" else ""))
     if not Path(d.socket_dir).is_absolute():
         bad("socket_dir", f"is {d.socket_dir!r}, not an absolute path", "use an absolute path such as /run/fast-start")
+    for key in ("allowed_groups", "admin_groups"):
+        for name in getattr(d, key):
+            try:
+                grp.getgrnam(name)
+            except KeyError:
+                bad(key, f"names group {name!r}, which does not exist on this host",
+                    f"create it (groupadd {name}) or remove it from {key}")
+    if any(u < 0 for u in d.allowed_uids):
+        bad("allowed_uids", f"is {list(d.allowed_uids)}", "list user ids (0 or more)")
     for key, total in (("memory_budget", 1), ("fill_bandwidth", None)):
         try:
             parse_bytes(getattr(d, key), total)
@@ -169,7 +199,7 @@ def _check_daemon(d: DaemonConfig, path: str) -> None:
             bad(key, f"is {getattr(d, key)!r}", 'write bytes ("120GiB", "500MB")' + (' or a share ("95%")' if total else ""))
 
 
-def _check_model(m: ModelConfig, where: str) -> None:
+def _check_model(m: ModelConfig, where: str, check_paths: bool) -> None:
     def bad(key, what, fix):
         raise ConfigError(f"{where} key {key!r} {what}", fix)
     if not m.gpus:
@@ -191,6 +221,8 @@ def _check_model(m: ModelConfig, where: str) -> None:
         verified = [n for n, x in quant.METHODS.items() if x.verified_for_sharing]
         bad("quantization", f"{m.quantization!r} is not verified for sharing", f"use one of {', '.join(verified)}")
     folder = Path(m.path)
-    if not folder.is_dir() or not any(folder.glob("*.safetensors")):
+    if not folder.is_absolute():
+        bad("path", f"{m.path!r} is not an absolute path", "write the model folder's absolute path")
+    if check_paths and not (folder.is_dir() and any(folder.glob("*.safetensors"))):
         bad("path", f"{m.path!r} is not a folder holding *.safetensors files",
             "point it at the model's folder (with config.json and the safetensors shards)")

@@ -16,6 +16,10 @@ class FastStartError(Exception):
         super().__init__(f"{what} (fix: {fix})" if fix else what)
 
 
+class ConfigError(FastStartError):
+    """The config file (or the socket directory it names) is unusable; the message names the key."""
+
+
 class CheckpointError(FastStartError):
     """A checkpoint folder, index, config.json or safetensors file is unusable."""
 
@@ -50,3 +54,7 @@ class CacheMiss(FastStartError):
 
 class NoDaemon(FastStartError):
     """No daemon could be reached (or trusted) where one was expected."""
+
+
+class Refused(NoDaemon):
+    """A daemon runs but does not let this user in (or not for this request)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from . import notify
 from .errors import FastStartError
 from .manifest import Manifest
 
+log = logging.getLogger("fast_start.daemon")
 PREFIX = "fs"
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 
@@ -30,24 +32,30 @@ class Stored:
     fds: list[int]
     names: list[str]
     filled_at: float
+    files: dict           # the checkpoint files' identity at the fill ({} from an older daemon)
 
 
-def store(model: str, manifest: Manifest, fds: list[int], filled_at: float) -> list[str]:
+def store(model: str, manifest: Manifest, fds: list[int], filled_at: float, files: dict) -> list[str]:
     """Put a model's manifest and arena fds into the store; returns their FDNAMEs (none without systemd)."""
     if not os.environ.get("NOTIFY_SOCKET"):
         return []
     key = manifest.fingerprint.digest()[:16]
     names = [f"{PREFIX}-{key}-m"] + [f"{PREFIX}-{key}-a{j}" for j in range(len(fds))]
-    record = json.dumps({"model": model, "manifest": manifest.to_dict(), "filled_at": filled_at}).encode()
+    record = json.dumps({"model": model, "manifest": manifest.to_dict(), "filled_at": filled_at,
+                         "files": files}).encode()
     mfd = os.memfd_create(f"fast-start:{model}-manifest", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.write(mfd, record)
+        view = memoryview(record)
+        while view:
+            view = view[os.write(mfd, view):]
         fcntl.fcntl(mfd, fcntl.F_ADD_SEALS, _SEALS)
-        notify.notify(f"FDSTORE=1\nFDNAME={names[0]}", [mfd])
+        sent = notify.notify(f"FDSTORE=1\nFDNAME={names[0]}", [mfd])
     finally:
         os.close(mfd)
     for name, fd in zip(names[1:], fds, strict=True):
-        notify.notify(f"FDSTORE=1\nFDNAME={name}", [fd])
+        sent = notify.notify(f"FDSTORE=1\nFDNAME={name}", [fd]) and sent
+    if not sent:
+        log.warning("could not put %s into systemd's fd store: a restart will fill it from disk", model)
     return names
 
 
@@ -84,11 +92,16 @@ def _shard(fds: dict[str, int], names: list[str]) -> Stored:
     mfd = fds["m"]
     if fcntl.fcntl(mfd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
         raise ValueError("manifest memfd is not sealed")
-    size = os.fstat(mfd).st_size
-    record = json.loads(os.pread(mfd, size, 0))
+    size, data = os.fstat(mfd).st_size, bytearray()
+    while len(data) < size:
+        chunk = os.pread(mfd, size - len(data), len(data))
+        if not chunk:
+            raise ValueError("manifest memfd is shorter than its size")
+        data += chunk
+    record = json.loads(data)
     manifest = Manifest.from_dict(record["manifest"])
     arenas = [fds[f"a{j}"] for j in range(len(manifest.arenas))]
     if len(arenas) != len(fds) - 1:
         raise ValueError("stored arenas do not match the manifest")
     os.close(mfd)
-    return Stored(record["model"], manifest, arenas, names, float(record["filled_at"]))
+    return Stored(record["model"], manifest, arenas, names, float(record["filled_at"]), record.get("files") or {})

@@ -6,7 +6,9 @@ socket existed when it arrived); `Daemon` runs `fast-start daemon --gpu N` with 
 """
 from __future__ import annotations
 
+import itertools
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -110,16 +112,18 @@ os.execv(sys.argv[2], sys.argv[2:])
 
 class Daemon:
     """`fast-start daemon --gpu N` as a real process with its own NOTIFY_SOCKET listener."""
+    _count = itertools.count()
 
     def __init__(self, tmp: Path, config: Path, gpu: int = 0, env: dict | None = None, log=None,
-                 listen: dict[str, int] | None = None):
-        """`listen`: FDNAME -> fd handed to the daemon as systemd does (LISTEN_FDS, from fd 3 on)."""
+                 listen: dict[str, int] | None = None, nofile: int | None = None):
+        """`listen`: FDNAME -> fd handed to the daemon as systemd does (LISTEN_FDS, from fd 3 on).
+        `nofile`: the daemon's file-descriptor limit, soft and hard."""
         self.config, self.gpu = config, gpu
         # Read the socket directory without validating: tests start daemons on bad configs on purpose.
         self.socket_dir = Path(tomllib.loads(config.read_text())["daemon"]["socket_dir"])
         self.socket = self.socket_dir / f"gpu{gpu}.sock"
         self.listener = NotifyListener(tmp / f"notify-{gpu}-{time.monotonic_ns()}", self.socket)
-        self.log = Path(log or tmp / f"daemon-{gpu}.log")
+        self.log = Path(log or tmp / f"daemon-{gpu}-{next(self._count)}.log")
         full_env = {**os.environ, "NOTIFY_SOCKET": str(self.listener.path), **(env or {})}
         command = [sys.executable, "-m", "fast_start.cli", "daemon", "--gpu", str(gpu), "--config", str(config)]
         listen = listen or {}
@@ -127,8 +131,9 @@ class Daemon:
             full_env.update(LISTEN_FDS=str(len(listen)), LISTEN_FDNAMES=":".join(listen))
             command = [sys.executable, "-c", _LISTEN, ",".join(map(str, listen.values())), *command]
         with open(self.log, "w") as log_file:
+            limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
             self.proc = subprocess.Popen(command, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
-                                         pass_fds=list(listen.values()))
+                                         pass_fds=list(listen.values()), preexec_fn=limit)
 
     def wait_ready(self, timeout: float = 120.0) -> "Daemon":
         try:

@@ -3,6 +3,7 @@
 A datagram to `$NOTIFY_SOCKET` (a path, or `@name` for an abstract socket) carrying
 newline-separated `KEY=VALUE` assignments, optionally with file descriptors (`SCM_RIGHTS`) for
 systemd's fd store. When the variable is unset (not run by systemd) every call is a no-op.
+Sending never raises: a manager that went away must not take the daemon's shutdown with it.
 """
 from __future__ import annotations
 
@@ -14,15 +15,18 @@ LISTEN_FDS_START = 3
 
 
 def notify(message: str, fds: list[int] | tuple[int, ...] = ()) -> bool:
-    """Send `message` (e.g. "READY=1\\nSTATUS=ready"); returns False when there is no manager."""
+    """Send `message` (e.g. "READY=1\\nSTATUS=ready"); False when there is no manager or it is gone."""
     addr = os.environ.get("NOTIFY_SOCKET")
     if not addr:
         return False
     if addr.startswith("@"):
         addr = "\0" + addr[1:]
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-        s.sendmsg([message.encode("utf-8")], ancillary, 0, addr)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.sendmsg([message.encode("utf-8")], ancillary, 0, addr)
+    except OSError:
+        return False
     return True
 
 

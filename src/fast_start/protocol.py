@@ -5,14 +5,15 @@ dataclass below and `decode` accepts exactly its fields with their types. File d
 on a frame as `SCM_RIGHTS`. There is no pickle anywhere: a frame can only ever become one of
 these dataclasses.
 
-Trust model: the socket lives in a directory only the daemon's user (and an optional group) can
-enter; the daemon checks every peer's uid/gid with `SO_PEERCRED` before reading a byte, and a
-client checks the directory, the socket and the daemon's credentials before sending one. An
-arena fd is a read capability for that model's weights and is only ever sent to a peer that
+Trust model: the socket lives in a directory only the daemon's user can write; the daemon
+checks every peer's uid and groups with `SO_PEERCRED`/`SO_PEERGROUPS` before reading a byte,
+and a client checks the directory, the socket and the daemon's credentials before sending one.
+An arena fd is a read capability for that model's weights and is only ever sent to a peer that
 passed this check. Inside that boundary peers are still not trusted to be well-formed: any
 frame may be garbage, oversized, truncated or slow, and gets an error reply or a closed
-connection, never a crash or a stall of other connections. Fds sent *to* the daemon are closed
-unread.
+connection, never a crash or a stall of other connections. The daemon receives frames with no
+room for ancillary data, so file descriptors sent *to* it are discarded by the kernel and
+never occupy one of its descriptors.
 """
 from __future__ import annotations
 
@@ -20,14 +21,15 @@ import array
 import json
 import os
 import socket
+import time
 from dataclasses import dataclass, field, fields
 
 from .errors import FastStartError
 
-VERSION = 1
+VERSION = 2
 MAX_REQUEST = 1 << 20          # what the daemon reads from a client
 MAX_REPLY = 256 << 20          # manifests of large MoE models run to megabytes
-MAX_FDS = 1024
+MAX_FDS = 253                  # the kernel's limit per message (SCM_MAX_FD)
 _HEADER = 4
 
 
@@ -59,6 +61,7 @@ class Fingerprints:
 class Acquire:
     fingerprint: dict
     mode: str
+    files: dict                   # the engine's checkpoint files: name -> [dev, inode, size, mtime_ns]
     kind: str = "acquire"
 
 
@@ -107,6 +110,7 @@ class Miss:
     reason: str
     fields: list = field(default_factory=list)   # differing fingerprint fields of the closest model
     model: str = ""
+    fix: str = ""
     kind: str = "miss"
 
 
@@ -134,9 +138,34 @@ class Filled:                     # worker -> daemon, with the arena fds
     kind: str = "filled"
 
 
+@dataclass(frozen=True)
+class FillJob:                    # daemon -> worker: materialize one model shard
+    model: str
+    spec: dict                    # WeightSpec fields
+    device: str                   # "cpu" or "cuda:N"
+    bandwidth: int                # bytes/s the fill may read; 0 = unlimited
+    kind: str = "fill_job"
+
+
+@dataclass(frozen=True)
+class VerifyJob:                  # daemon -> worker: checksum arenas re-adopted from the fd store
+    model: str
+    manifest: dict
+    fds: list                     # the arena fd numbers the worker inherited
+    device: str
+    kind: str = "verify_job"
+
+
+@dataclass(frozen=True)
+class Verified:                   # worker -> daemon
+    model: str
+    bad: list                     # names of tensors whose checksum differs
+    kind: str = "verified"
+
+
 KINDS = {c.__dataclass_fields__["kind"].default: c for c in (
     Hello, Status, Fingerprints, Acquire, Release, Evict, Evictions, Welcome, Report, Acquired, Miss, Error,
-    Progress, Filled)}
+    Progress, Filled, FillJob, VerifyJob, Verified)}
 REQUESTS = ("hello", "status", "fingerprints", "acquire", "release", "evict", "evictions")
 _TYPES = {"int": int, "str": str, "dict": dict, "list": list, "float": (int, float)}
 
@@ -182,37 +211,51 @@ def send(sock: socket.socket, msg, fds: list[int] | tuple[int, ...] = ()) -> Non
 
 
 def recv(sock: socket.socket, max_size: int = MAX_REPLY, allowed: tuple[str, ...] | None = None,
-         accept_fds: bool = True):
-    """Receive one frame: (message, fds). EOF before a frame starts gives (None, [])."""
+         accept_fds: bool = True, frame_timeout: float | None = None):
+    """Receive one frame: (message, fds). EOF before a frame starts gives (None, []).
+
+    The wait for a frame's first byte follows the socket's own timeout; once it has arrived the
+    whole frame must arrive within `frame_timeout` seconds, so that a peer sending a byte at a
+    time cannot hold a connection. With `accept_fds=False` there is no room for ancillary data:
+    the kernel discards any descriptors sent along, and none is ever installed here.
+    """
     fds: list[int] = []
+    space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize) if accept_fds else 0
     try:
-        head = _read(sock, _HEADER, fds, allow_eof=True)
-        if head is None:
+        first = _read(sock, 1, fds, space, None, allow_eof=True)
+        if first is None:
             return None, []
+        deadline = time.monotonic() + frame_timeout if frame_timeout else None
+        head = first + _read(sock, _HEADER - 1, fds, space, deadline)
         size = int.from_bytes(head, "big")
         if size > max_size:
             raise FramingError(f"frame of {size} bytes exceeds the {max_size}-byte limit", "send a smaller frame")
-        msg = decode(_read(sock, size, fds), allowed)
+        msg = decode(_read(sock, size, fds, space, deadline), allowed)
     except BaseException:
         _close(fds)
         raise
-    if fds and not accept_fds:
-        _close(fds)
-        fds = []
     return msg, fds
 
 
-def _read(sock: socket.socket, n: int, fds: list[int], allow_eof: bool = False) -> bytes | None:
+def _read(sock: socket.socket, n: int, fds: list[int], space: int, deadline: float | None,
+          allow_eof: bool = False) -> bytes | None:
     buf = bytearray()
-    space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
     while len(buf) < n:
-        data, anc, flags, _ = sock.recvmsg(n - len(buf), space, socket.MSG_CMSG_CLOEXEC)
+        if deadline is not None:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        try:
+            data, anc, flags, _ = sock.recvmsg(n - len(buf), space, socket.MSG_CMSG_CLOEXEC)
+        except socket.timeout:
+            if deadline is None:
+                raise
+            raise FramingError(f"frame not complete in time ({len(buf)} of {n} bytes)",
+                               "send whole frames at once") from None
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 got = array.array("i")
                 got.frombytes(payload[:len(payload) - len(payload) % got.itemsize])
                 fds.extend(got)
-        if flags & socket.MSG_CTRUNC:
+        if flags & socket.MSG_CTRUNC and space:
             raise FramingError("more file descriptors than the receiver accepts", f"send at most {MAX_FDS}")
         if not data:
             if allow_eof and not buf:

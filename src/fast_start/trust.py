@@ -4,18 +4,25 @@ The daemon's socket directory must be a real directory (not a symlink) owned by 
 user and writable by nobody else; the daemon refuses to start otherwise rather than repair a
 directory someone else could have prepared. A client applies the same rules to the directory
 and the socket before connecting, and checks the daemon's `SO_PEERCRED` before sending.
+
+Who may connect is decided by credentials, not file modes: when other users are allowed
+(`allowed_uids`, `allowed_groups`) the directory is 0755 and the socket 0666, and the daemon
+checks each peer's uid and groups (`SO_PEERCRED`, `SO_PEERGROUPS`: the credentials of the
+connecting process, read from the socket, so neither `/proc` nor group ownership is needed,
+which a hardened unit would hide or forbid). Otherwise they are 0700 and 0600.
 """
 from __future__ import annotations
 
+import array
 import os
 import pwd
 import socket
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import FastStartError
+from .errors import ConfigError, FastStartError
 
 SERVICE_USER = "fast-start"
 
@@ -24,27 +31,31 @@ class TrustError(FastStartError):
     """A socket, its directory or a peer fails the ownership and permission rules."""
 
 
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)     # Linux >= 4.13; not named by Python 3.11
+
+
 @dataclass(frozen=True)
 class Peer:
     pid: int
     uid: int
     gid: int
-
-    def groups(self) -> set[int]:
-        """The peer's primary and supplementary groups (read from /proc while it is connected)."""
-        gids = {self.gid}
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("Groups:"):
-                    gids.update(int(g) for g in line.split()[1:])
-        except OSError:
-            pass
-        return gids
+    groups: frozenset[int] = field(default_factory=frozenset)   # primary and supplementary gids
+    admin: bool = False          # may evict and see every lease (root, the daemon's user, admin_groups)
 
 
 def peer(sock: socket.socket) -> Peer:
+    """The credentials of the process that connected `sock` (as of its connect)."""
     fmt = "3i"
-    return Peer(*struct.unpack(fmt, sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(fmt))))
+    pid, uid, gid = struct.unpack(fmt, sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(fmt)))
+    groups = {gid}
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 1024)   # up to 256 groups
+        got = array.array("I")
+        got.frombytes(raw[:len(raw) - len(raw) % got.itemsize])
+        groups.update(got)
+    except OSError:
+        pass        # more than 256 groups, or an old kernel: the primary group still counts
+    return Peer(pid, uid, gid, frozenset(groups))
 
 
 def trusted_daemon_uids() -> set[int]:
@@ -57,34 +68,38 @@ def trusted_daemon_uids() -> set[int]:
     return uids
 
 
-def prepare_socket_dir(path: str | Path, group: int | None = None) -> Path:
-    """Create or check the daemon's socket directory: ours, no symlink, writable by us alone."""
+def prepare_socket_dir(path: str | Path, shared: bool = False) -> Path:
+    """Create or check the daemon's socket directory: ours, no symlink, writable by us alone.
+
+    `shared`: other users may connect (0755), else 0700. Problems are `ConfigError`s: the
+    operator fixes `socket_dir` or the directory, the daemon does not repair what it did not make.
+    """
     path = Path(path)
-    mode = 0o750 if group is not None else 0o700
+    mode = 0o755 if shared else 0o700
     try:
         path.mkdir(mode=mode, parents=False)
     except FileExistsError:
         pass
     except OSError as e:
-        raise TrustError(f"cannot create socket directory {path}: {e}",
-                         "create it (systemd's RuntimeDirectory= does) or fix socket_dir") from None
+        raise ConfigError(f"cannot create socket directory {path}: {e.strerror or e}",
+                          "create it (systemd's RuntimeDirectory= does) or fix socket_dir") from None
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise TrustError(f"socket directory {path} is a symlink or not a directory", "remove it and restart")
+        raise ConfigError(f"socket directory {path} is a symlink or not a directory", "remove it and restart")
     if st.st_uid != os.geteuid():
-        raise TrustError(f"socket directory {path} is owned by uid {st.st_uid}, not by the daemon's uid {os.geteuid()}",
-                         "remove it, or run the daemon as its owner")
+        raise ConfigError(f"socket directory {path} is owned by uid {st.st_uid}, not by the daemon's uid {os.geteuid()}",
+                          "remove it, or run the daemon as its owner")
     if st.st_mode & 0o022:
-        raise TrustError(f"socket directory {path} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})",
-                         f"remove it, or chmod {mode:o} it after checking its contents")
-    if group is not None:
-        os.chown(path, -1, group)
-    os.chmod(path, mode)    # tighten read/search bits on a directory that is ours and not writable by others
+        raise ConfigError(f"socket directory {path} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})",
+                          f"remove it, or chmod {mode:o} it after checking its contents")
+    os.chmod(path, mode)    # ours and not writable by others: set the read/search bits we want
     return path
 
 
 def check_socket_path(sock_path: str | Path, trusted: set[int]) -> None:
-    """Client side: the directory and the socket are owned by a trusted uid and not writable by others."""
+    """Client side: the directory and the socket are owned by a trusted uid, the directory writable
+    by no one else (so nobody else can put a socket there). A socket's own write bit only says who
+    may connect, which the daemon decides by credentials."""
     sock_path = Path(sock_path)
     for p, want, what in ((sock_path.parent, stat.S_ISDIR, "directory"), (sock_path, stat.S_ISSOCK, "socket")):
         try:
@@ -96,6 +111,6 @@ def check_socket_path(sock_path: str | Path, trusted: set[int]) -> None:
         if st.st_uid not in trusted:
             raise TrustError(f"{what} {p} is owned by uid {st.st_uid}, not by a trusted daemon user",
                              "check who created it; the daemon runs as root, fast-start or yourself")
-        if st.st_mode & (0o022 if what == "directory" else 0o002):
+        if what == "directory" and st.st_mode & 0o022:
             raise TrustError(f"{what} {p} is writable by others (mode {stat.S_IMODE(st.st_mode):o})",
                              "restart the daemon so it recreates it with safe permissions")

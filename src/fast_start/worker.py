@@ -5,14 +5,13 @@ casts, quantizes and shards them into arenas, and sends each model's manifest wi
 fds back over a socketpair. The daemon keeps nothing but those fds, so a crash in here costs
 a fill, never the serving process.
 
-Run as `python -m fast_start.worker FD JOBS_JSON`; JOBS_JSON is a list of fill jobs
-{"model": name, "spec": WeightSpec fields, "device": "cpu"|"cuda:N", "bandwidth": bytes/s} and
-verify jobs {"model": name, "verify": manifest, "fds": [inherited fd numbers], "device": ...}
-(checksums of arenas re-adopted from systemd's fd store).
+Run as `python -m fast_start.worker FD`: the daemon sends typed jobs over the socket FD
+(`FillJob`: materialize a model shard; `VerifyJob`: checksum arenas re-adopted from systemd's
+fd store, whose fds the worker inherited) and closes its side; the worker answers each job with
+`Progress` frames and one `Filled` (with the arena fds) or `Verified`.
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -29,9 +28,9 @@ from .materialize import materialize
 PROGRESS_EVERY = 0.2   # seconds between progress frames
 
 
-def fill(sock: socket.socket, job: dict) -> None:
-    spec = WeightSpec(**job["spec"])
-    bandwidth, start, last = job.get("bandwidth", 0), time.monotonic(), [0.0]
+def fill(sock: socket.socket, job: protocol.FillJob) -> None:
+    spec = WeightSpec(**job.spec)
+    bandwidth, start, last = job.bandwidth, time.monotonic(), [0.0]
 
     def progress(done: int, total: int) -> None:
         if bandwidth:   # an operator's cap on read bandwidth (shared storage, many daemons at once)
@@ -39,33 +38,43 @@ def fill(sock: socket.socket, job: dict) -> None:
         now = time.monotonic()
         if now - last[0] >= PROGRESS_EVERY or done == total:
             last[0] = now
-            protocol.send(sock, protocol.Progress(job["model"], spec.rank, done, total))
+            protocol.send(sock, protocol.Progress(job.model, spec.rank, done, total))
 
-    manifest, fds = materialize(spec, job["device"], progress=progress)
+    manifest, fds = materialize(spec, job.device, progress=progress)
     try:
-        protocol.send(sock, protocol.Filled(job["model"], manifest.to_dict(),
+        protocol.send(sock, protocol.Filled(job.model, manifest.to_dict(),
                                             time.monotonic() - start), fds)
     finally:
         for fd in fds:
             os.close(fd)
 
 
-def verify(sock: socket.socket, job: dict) -> None:
+def verify(sock: socket.socket, job: protocol.VerifyJob) -> None:
     """Recompute the checksums of arenas the daemon re-adopted from systemd's fd store."""
-    manifest = Manifest.from_dict(job["verify"])
-    weights = from_arenas(manifest, job["fds"], "zero_copy", job["device"])
+    manifest = Manifest.from_dict(job.manifest)
+    weights = from_arenas(manifest, job.fds, "zero_copy", job.device)
     bad = [e.name for e in manifest.tensors if checksum(weights.tensors[e.name]) != e.checksum]
-    protocol.send(sock, protocol.Report({"model": job["model"], "bad": bad}))
+    protocol.send(sock, protocol.Verified(job.model, bad))
+
+
+def jobs(sock: socket.socket) -> list:
+    """Every job the daemon sent, up to its end of the stream."""
+    out = []
+    while True:
+        msg, _ = protocol.recv(sock, allowed=("fill_job", "verify_job"), accept_fds=False)
+        if msg is None:
+            return out
+        out.append(msg)
 
 
 def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[0]))
     try:
-        for job in json.loads(argv[1]):
-            if job["device"].startswith("cuda"):
+        for job in jobs(sock):
+            if job.device.startswith("cuda"):
                 import torch
-                torch.cuda.set_device(job["device"])     # the context lives here, never in the daemon
-            (verify if "verify" in job else fill)(sock, job)
+                torch.cuda.set_device(job.device)     # the context lives here, never in the daemon
+            (verify if isinstance(job, protocol.VerifyJob) else fill)(sock, job)
     except FastStartError as e:
         protocol.send(sock, protocol.Error(e.what, e.fix))
         return 1

@@ -1,0 +1,127 @@
+"""Serving `gpu<N>.sock`: who is let in, how many connections each user may hold, and deadlines.
+
+A peer's role is decided from the credentials of its connect (`SO_PEERCRED`, `SO_PEERGROUPS`)
+before a byte is read: *admin* (root, the daemon's own user, or a member of `admin_groups`),
+*engine* (listed in `allowed_uids` or a member of `allowed_groups`), or refused with a reply
+that says why. Each admitted connection gets a thread. No client can lock others out:
+
+- at most `MAX_CONNECTIONS_PER_UID` connections per user and `limits.connections` in all
+  (from the fd budget), each refusal a reply naming the limit;
+- a connection waits at most `IDLE_S` for a request to begin, and a request (or a reply) must
+  be complete within `FRAME_S`: a peer trickling a byte a second is cut off;
+- descriptors sent to the daemon are discarded by the kernel (`protocol.recv`).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, replace
+
+from . import protocol, trust
+from .cache import Cache
+
+log = logging.getLogger("fast_start.daemon")
+IDLE_S = 10.0
+FRAME_S = 10.0
+MAX_CONNECTIONS_PER_UID = 64
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Who may connect (from the config); replaced as a whole on reload."""
+    allowed_uids: frozenset[int] = frozenset()
+    allowed_gids: frozenset[int] = frozenset()
+    admin_gids: frozenset[int] = frozenset()
+
+    def role(self, peer: trust.Peer) -> trust.Peer | None:
+        """`peer` with its role set, or None when it may not connect at all."""
+        if peer.uid in (0, os.geteuid()) or peer.groups & self.admin_gids:
+            return replace(peer, admin=True)
+        if peer.uid in self.allowed_uids or peer.groups & self.allowed_gids:
+            return peer
+        return None
+
+
+class Server:
+    def __init__(self, cache: Cache, policy: Policy, max_connections: int):
+        self.cache, self.policy, self.max_connections = cache, policy, max_connections
+        self.open: collections.Counter[int] = collections.Counter()     # uid -> open connections
+        self.lock = threading.Lock()
+
+    def admit(self, conn: socket.socket) -> None:
+        """A freshly accepted connection: refuse it with a reason, or serve it in a thread."""
+        creds = trust.peer(conn)
+        peer = self.policy.role(creds)
+        if peer is None:
+            log.warning("refused connection from pid %d uid %d", creds.pid, creds.uid)
+            return _refuse(conn, protocol.Error(f"uid {creds.uid} may not use this daemon",
+                                                "run as the daemon's user or list it in allowed_uids"))
+        with self.lock:
+            if self.open[peer.uid] >= MAX_CONNECTIONS_PER_UID:
+                why = (f"uid {peer.uid} has {MAX_CONNECTIONS_PER_UID} connections open to this daemon, the most "
+                       "one user may have")
+            elif sum(self.open.values()) >= self.max_connections:
+                why = f"the daemon serves {self.max_connections} connections, its limit"
+            else:
+                why = None
+                self.open[peer.uid] += 1
+        if why:
+            log.warning("refused connection from pid %d uid %d: %s", peer.pid, peer.uid, why)
+            return _refuse(conn, protocol.Error(why, "close idle connections and retry"))
+        threading.Thread(target=self.connection, args=(conn, peer), daemon=True).start()
+
+    def connection(self, conn: socket.socket, peer: trust.Peer) -> None:
+        try:
+            while True:
+                conn.settimeout(IDLE_S)
+                try:
+                    msg, _ = protocol.recv(conn, protocol.MAX_REQUEST, protocol.REQUESTS, accept_fds=False,
+                                           frame_timeout=FRAME_S)
+                except protocol.FramingError as e:
+                    conn.settimeout(FRAME_S)
+                    protocol.send(conn, protocol.Error(e.what, e.fix))
+                    return
+                except protocol.ProtocolError as e:
+                    conn.settimeout(FRAME_S)
+                    protocol.send(conn, protocol.Error(e.what, e.fix))
+                    continue
+                if msg is None:
+                    return
+                self.answer(conn, msg, peer)
+        except OSError:
+            pass            # the peer went away or stalled: nothing of ours is left half-done
+        finally:
+            conn.close()
+            with self.lock:
+                self.open[peer.uid] -= 1
+                if not self.open[peer.uid]:
+                    del self.open[peer.uid]
+
+    def answer(self, conn: socket.socket, msg, peer: trust.Peer) -> None:
+        try:
+            reply, fds, done = self.cache.handle(msg, peer)
+        except Exception:           # a bug must cost one reply, never the daemon
+            log.exception("request %s from pid %d failed", msg.kind, peer.pid)
+            reply, fds, done = protocol.Error(f"the daemon failed on a {msg.kind!r} request",
+                                              "see the daemon's log"), [], lambda sent: None
+        sent = False
+        try:
+            conn.settimeout(FRAME_S)
+            protocol.send(conn, reply, fds)
+            sent = True
+        finally:
+            done(sent)
+
+
+def _refuse(conn: socket.socket, error: protocol.Error) -> None:
+    """Tell a refused peer why, then close; the client reads this even if its request fails to send."""
+    try:
+        conn.settimeout(1.0)
+        protocol.send(conn, error)
+        conn.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    conn.close()

@@ -1,0 +1,147 @@
+"""Is a cached model still what its checkpoint holds? File identities and an inotify watch.
+
+The fingerprint hashes the shards' headers only, and a fine-tune saved over a folder keeps its
+header byte for byte. So the daemon also records, at each fill, the *identity* of every file
+the tensors came from (the shards, the index, config.json): device, inode, size and mtime.
+
+- At every acquire the engine sends the identity of the files it would read; anything but the
+  identity recorded at the fill is a miss. A rewrite in place changes size or mtime, a new file
+  moved over the old one changes the inode, another copy of the model has other inodes.
+- `Watch` is an inotify watch on each model's folder (and on the folders its files resolve
+  into, e.g. a Hugging Face cache's blobs): a change marks the model stale the moment it
+  happens, and the daemon refills it.
+
+What this cannot see: a rewrite that keeps size and restores the mtime (`touch -d`) on a file
+system where inotify sees no event (a change made on another NFS client); the README says so.
+Stdlib only: the daemon's serving process never imports torch for this.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import logging
+import os
+import struct
+from pathlib import Path
+
+log = logging.getLogger("fast_start.daemon")
+INDEX = "model.safetensors.index.json"
+
+Identity = dict[str, list[int]]     # file name -> [st_dev, st_ino, st_size, st_mtime_ns]
+
+
+def checkpoint_files(folder: Path) -> list[str]:
+    """Names of the files a checkpoint's tensors come from: shards, index, config.json."""
+    index = folder / INDEX
+    if index.exists():
+        try:
+            names = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            names = set()               # unreadable now: its own identity still says it changed
+        names = {n for n in names if isinstance(n, str)} | {INDEX}
+    else:
+        names = {p.name for p in folder.glob("*.safetensors")}
+    return sorted(names | {"config.json"})
+
+
+def identity(folder: str | Path) -> Identity:
+    """The identity of every checkpoint file in `folder`; a missing file is [0, 0, -1, 0]."""
+    folder = Path(folder)
+    out = {}
+    for name in checkpoint_files(folder):
+        try:
+            st = os.stat(folder / name)
+            out[name] = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+        except OSError:
+            out[name] = [0, 0, -1, 0]
+    return out
+
+
+def differs(recorded: Identity, current: Identity, gone_is_change: bool = True) -> str | None:
+    """What differs between two identities, in words; None when they are the same.
+
+    With `gone_is_change=False` files that cannot be seen now (storage unmounted or down) count
+    as unchanged: the cache keeps what they held, and any engine must still present the files
+    of the fill to be served.
+    """
+    for name in sorted(set(recorded) | set(current)):
+        a, b = recorded.get(name), current.get(name)
+        if a == b:
+            continue
+        if b is None or b[2] < 0:
+            if gone_is_change:
+                return f"{name} was removed"
+            continue
+        if a is None:
+            return f"{name} was added"
+        if a[:2] != b[:2]:
+            return f"{name} is another file"
+        return f"{name} was rewritten ({'size' if a[2] != b[2] else 'mtime'} changed)"
+    return None
+
+
+# inotify(7)
+IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
+IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
+IN_DELETE_SELF, IN_MOVE_SELF, IN_IGNORED = 0x400, 0x800, 0x8000
+IN_NONBLOCK, IN_CLOEXEC = 0o4000, 0o2000000
+_MASK = (IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+         | IN_DELETE_SELF | IN_MOVE_SELF)
+_EVENT = struct.Struct("iIII")
+
+
+class Watch:
+    """inotify on model folders: `fd` becomes readable on a change; `changed()` names the models."""
+
+    def __init__(self):
+        self._libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        self.fd = self._libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        if self.fd < 0:     # out of inotify instances: changes are still caught by the file checks
+            log.warning("cannot watch model folders (inotify_init1: %s); checkpoint changes are noticed at the "
+                        "next acquire or within 30 s", os.strerror(ctypes.get_errno()))
+        self._models: dict[int, set[str]] = {}     # watch descriptor -> models it covers
+        self._folders: dict[str, set[str]] = {}    # model -> folders it watches
+
+    def add(self, model: str, folder: str | Path) -> None:
+        """Watch `folder` and the folders its checkpoint files resolve into (symlinked blobs)."""
+        folder = Path(folder)
+        folders = {str(folder)} | {str((folder / n).resolve().parent) for n in checkpoint_files(folder)}
+        self.remove(model)
+        self._folders[model] = folders
+        for f in folders if self.fd >= 0 else ():
+            wd = self._libc.inotify_add_watch(self.fd, os.fsencode(f), _MASK)
+            if wd >= 0:         # a folder that is gone now is caught by the identity check
+                self._models.setdefault(wd, set()).add(model)
+
+    def remove(self, model: str) -> None:
+        self._folders.pop(model, None)
+        for models in self._models.values():
+            models.discard(model)
+
+    def changed(self) -> set[str]:
+        """Models whose folders saw an event since the last call (drains the fd)."""
+        hit: set[str] = set()
+        while self.fd >= 0:
+            try:
+                data = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return hit
+            for wd, mask, _, _ in _events(data):
+                if mask & IN_IGNORED:               # the folder was removed or unmounted
+                    hit |= self._models.pop(wd, set())
+                else:
+                    hit |= self._models.get(wd, set())
+        return hit
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+
+
+def _events(data: bytes):
+    pos = 0
+    while pos + _EVENT.size <= len(data):
+        wd, mask, cookie, length = _EVENT.unpack_from(data, pos)
+        yield wd, mask, cookie, data[pos + _EVENT.size:pos + _EVENT.size + length]
+        pos += _EVENT.size + length

@@ -1,0 +1,135 @@
+"""The daemon's life around serving: one per GPU, failures that say why, reload, clean stops."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import fast_start
+from fast_start import protocol
+from fast_start.cli import app
+from fast_start.client import connect, request
+from fast_start.harness import write_config
+
+runner = CliRunner()
+
+
+def model(name, path, **kw):
+    return {"name": name, "path": str(path), "gpus": [0], "engine_version": "test", **kw}
+
+
+def status(d) -> dict:
+    with connect(d.socket, 5) as conn:
+        request(conn, protocol.Hello(protocol.VERSION))
+        return request(conn, protocol.Status()).body
+
+
+def wait_until(cond, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not met in {timeout} s"
+        time.sleep(0.1)
+
+
+def test_a_second_daemon_for_the_same_gpu_fails_at_once_naming_the_first(tmp_path, small, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
+    first = daemons(cfg)
+    state = (tmp_path / "run" / "gpu0.state").read_text()
+    second = daemons(cfg, wait=False)
+    assert second.proc.wait(30) == 1
+    lines = second.log.read_text().strip().splitlines()
+    assert lines == [f"error: GPU 0's daemon already runs (pid {first.proc.pid}, lock {tmp_path}/run/gpu0.lock) "
+                     "(fix: stop it first (systemctl stop fast-start@0), or serve another GPU)"]
+    assert (tmp_path / "run" / "gpu0.state").read_text() == state and first.socket.is_socket()
+    assert status(first)["state"] == "ready"
+
+
+def test_a_start_that_fails_on_the_budget_says_so_in_status(tmp_path, small, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)], memory_budget="1MB")
+    d = daemons(cfg, wait=False)
+    assert d.proc.wait(60) == 1
+    log = d.log.read_text()
+    assert re.search(r"models need \d+\.\d\d MiB, more than memory_budget '1MB' \(976\.56 KiB\)", log), log
+    assert "Traceback" not in log
+    r = runner.invoke(app, ["status", "--config", str(cfg), "--json"])
+    assert r.exit_code == 1
+    s = json.loads(r.stdout)[0]
+    assert s["state"] == "failed" and "more than memory_budget" in s["error"]
+
+
+def test_shutdown_is_clean_when_the_service_manager_is_gone(tmp_path, small, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
+    d = daemons(cfg)
+    d.listener.close()                          # NOTIFY_SOCKET now points at nothing
+    os.unlink(d.listener.path)
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(30) == 0, d.log.read_text()
+    assert not d.socket.exists() and not (tmp_path / "run" / "gpu0.state").exists()
+    assert "Traceback" not in d.log.read_text()
+
+
+def test_sighup_reloads_the_config_adding_changing_and_removing_models(tmp_path, small, llama_tied, daemons):
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "fs.toml", run, [model("small", small), model("keep", llama_tied)])
+    d = daemons(cfg)
+    kept_at = {m["name"]: m["filled_at"] for m in status(d)["models"]}["keep"]
+    write_config(tmp_path / "fs.toml", run, [model("keep", llama_tied), model("new", small, engine_version="v2")])
+    d.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: sorted(m["name"] for m in status(d)["models"]) == ["keep", "new"], what="the reload")
+    assert d.proc.poll() is None
+    models = {m["name"]: m for m in status(d)["models"]}
+    assert models["keep"]["filled_at"] == kept_at                      # untouched
+    w = fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="v2"), socket_dir=str(run), fallback=False)
+    assert w.source == "cache"
+    with connect(d.socket, 5) as conn:
+        request(conn, protocol.Hello(protocol.VERSION))
+        assert [(e["model"], e["reason"]) for e in request(conn, protocol.Evictions()).body["evictions"]] == [
+            ("small", "config change")]
+    d.listener.wait_for("RELOADING=1")
+    (tmp_path / "fs.toml").write_text("[daemon]\ncolour = 1\n")          # a bad config: keep running
+    d.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "reload failed, keeping the running config" in d.log.read_text(), what="the failed reload")
+    assert status(d)["state"] == "ready" and len(status(d)["models"]) == 2
+
+
+def test_status_evictions_and_evict_work_while_the_model_folder_is_away(tmp_path, small, daemons):
+    folder = shutil.copytree(small, tmp_path / "model")
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", folder)])
+    d = daemons(cfg)
+    folder.rename(tmp_path / "away")                 # NFS down: the folder is gone, the cache is not
+    r = runner.invoke(app, ["status", "--config", str(cfg)])
+    assert r.exit_code == 0 and "ready" in r.stdout, r.stdout + r.stderr
+    assert runner.invoke(app, ["evictions", "--config", str(cfg)]).exit_code == 0
+    r = runner.invoke(app, ["evict", "--gpu", "0", "--model", "small", "--config", str(cfg)])
+    assert r.exit_code == 0 and "evicted small" in r.stdout
+    r = runner.invoke(app, ["status", "--config", str(cfg)])
+    assert r.exit_code == 1 and "evicted" in r.stdout            # configured, not cached
+
+
+def test_a_socket_directory_problem_exits_2(tmp_path, small, daemons):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o777)
+    os.chmod(run, 0o777)
+    d = daemons(write_config(tmp_path / "fs.toml", run, [model("small", small)]), wait=False)
+    assert d.proc.wait(60) == 2
+    assert "group- or world-writable" in d.log.read_text()
+
+
+def test_an_unknown_group_is_a_config_error_naming_the_key(tmp_path, small):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)],
+                       allowed_groups=["no-such-group"])
+    p = subprocess.run([Path(sys.executable).parent / "fast-start", "daemon", "--gpu", "0", "--config", cfg],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"error: {cfg}: [daemon] key 'allowed_groups' names group 'no-such-group', which does not exist on this "
+        "host (fix: create it (groupadd no-such-group) or remove it from allowed_groups)")
