@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+from probe import evictions, status
+
 import fast_start
 from fast_start import protocol
 from fast_start.client import connect, request
@@ -25,11 +27,6 @@ METHODS = ["none", "fp8", "fp8-channel", "fp8-block"]
 def model(name, path, gpus=(0,), **kw):
     return {"name": name, "path": str(path), "gpus": list(gpus), "engine_version": "test", **kw}
 
-
-def status(d) -> dict:
-    with connect(d.socket, 5) as conn:
-        request(conn, protocol.Hello(protocol.VERSION))
-        return request(conn, protocol.Status()).body
 
 
 def raw(t):
@@ -113,10 +110,7 @@ def test_copy_mode_releases_and_drop_evicts(tmp_path, small, daemons):
     w["model.norm.weight"].add_(1)                       # ours to write
     s = status(d)
     assert s["models"] == [] and s["leases"] == []
-    with connect(d.socket, 5) as conn:
-        request(conn, protocol.Hello(protocol.VERSION))
-        evictions = request(conn, protocol.Evictions()).body["evictions"]
-    assert [(e["model"], e["reason"]) for e in evictions] == [("small", "release")]
+    assert evictions(d) == [("small", "release")]
 
 
 HOLDER = textwrap.dedent("""

@@ -8,16 +8,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
+from probe import evictions, status, wait_until
+
 import fast_start
-from fast_start import protocol
 from fast_start.cli import app
-from fast_start.client import connect, request
 from fast_start.harness import write_config
 
 runner = CliRunner()
@@ -27,17 +25,6 @@ def model(name, path, **kw):
     return {"name": name, "path": str(path), "gpus": [0], "engine_version": "test", **kw}
 
 
-def status(d) -> dict:
-    with connect(d.socket, 5) as conn:
-        request(conn, protocol.Hello(protocol.VERSION))
-        return request(conn, protocol.Status()).body
-
-
-def wait_until(cond, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not met in {timeout} s"
-        time.sleep(0.1)
 
 
 def test_a_second_daemon_for_the_same_gpu_fails_at_once_naming_the_first(tmp_path, small, daemons):
@@ -90,10 +77,7 @@ def test_sighup_reloads_the_config_adding_changing_and_removing_models(tmp_path,
     assert models["keep"]["filled_at"] == kept_at                      # untouched
     w = fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="v2"), socket_dir=str(run), fallback=False)
     assert w.source == "cache"
-    with connect(d.socket, 5) as conn:
-        request(conn, protocol.Hello(protocol.VERSION))
-        assert [(e["model"], e["reason"]) for e in request(conn, protocol.Evictions()).body["evictions"]] == [
-            ("small", "config change")]
+    assert evictions(d) == [("small", "config change")]
     d.listener.wait_for("RELOADING=1")
     (tmp_path / "fs.toml").write_text("[daemon]\ncolour = 1\n")          # a bad config: keep running
     d.proc.send_signal(signal.SIGHUP)
@@ -104,7 +88,7 @@ def test_sighup_reloads_the_config_adding_changing_and_removing_models(tmp_path,
 def test_status_evictions_and_evict_work_while_the_model_folder_is_away(tmp_path, small, daemons):
     folder = shutil.copytree(small, tmp_path / "model")
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", folder)])
-    d = daemons(cfg)
+    daemons(cfg)
     folder.rename(tmp_path / "away")                 # NFS down: the folder is gone, the cache is not
     r = runner.invoke(app, ["status", "--config", str(cfg)])
     assert r.exit_code == 0 and "ready" in r.stdout, r.stdout + r.stderr

@@ -96,7 +96,7 @@ def test_a_refused_operator_gets_one_line_from_the_cli(tmp_path, open_dir, small
                         Path(sys.executable).parent / "fast-start", "status", "--config", cfg],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 3 and "Traceback" not in p.stderr
-    assert p.stderr.strip() == (f"error: GPU 0: uid 65534 may not use this daemon (fix: run as the daemon's user "
+    assert p.stderr.strip() == ("error: GPU 0: uid 65534 may not use this daemon (fix: run as the daemon's user "
                                 "or list it in allowed_uids)")
 
 

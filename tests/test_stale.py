@@ -6,24 +6,22 @@ fill's at every acquire and watches the folders with inotify.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from probe import evictions, status, wait_until
+
 import fast_start
 from fast_start import protocol, watch
 from fast_start.cache import Cache, Entry
-from fast_start.client import connect, request
 from fast_start.config import ModelConfig
 from fast_start.errors import CacheMiss
 from fast_start.harness import write_config
-from fast_start.manifest import Manifest
 from fast_start.materialize import materialize
 from fast_start.trust import Peer
 
@@ -36,17 +34,6 @@ def spec(path):
     return fast_start.WeightSpec(str(path), engine_version="test")
 
 
-def status(d) -> dict:
-    with connect(d.socket, 5) as conn:
-        request(conn, protocol.Hello(protocol.VERSION))
-        return request(conn, protocol.Status()).body
-
-
-def wait_until(cond, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not met in {timeout} s"
-        time.sleep(0.1)
 
 
 def fine_tune(folder, how: str) -> dict[str, torch.Tensor]:
@@ -85,10 +72,7 @@ def test_a_fine_tune_saved_under_the_same_header_is_never_served_stale(tmp_path,
     from fast_start.cli import app
     r = CliRunner().invoke(app, ["status", "--config", str(cfg)])
     assert r.exit_code == 1 and "stale" in r.stdout
-    with connect(d.socket, 5) as conn:
-        request(conn, protocol.Hello(protocol.VERSION))
-        ev = request(conn, protocol.Evictions()).body["evictions"]
-    assert [(e["model"], e["reason"]) for e in ev] == [("small", "checkpoint changed")]
+    assert evictions(d) == [("small", "checkpoint changed")]
 
 
 def test_a_changed_checkpoint_is_refilled_and_swapped_in_while_old_mappings_stay(tmp_path, small, daemons):

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from fast_start import protocol, synth
-from fast_start.client import connect, request
+from probe import evictions
+
+from fast_start import synth
 from fast_start.harness import Daemon, write_config
 
 if os.environ.get("CI"):
@@ -123,10 +124,7 @@ def test_copy_mode_loads_from_the_cache_and_the_daemon_receives_the_release(work
                         {"mode": "copy", "socket_dir": str(run), "fallback": False})
     assert_same_weights(got, reference["llama", 1])
     assert got["ranks"][0]["source"] == "cache" and got["ranks"][0]["external_bytes"] == 0
-    with connect(d.socket, 5) as conn:
-        request(conn, protocol.Hello(protocol.VERSION))
-        evictions = request(conn, protocol.Evictions()).body["evictions"]
-    assert [(e["model"], e["reason"]) for e in evictions] == [("llama", "release")]
+    assert evictions(d) == [("llama", "release")]
 
 
 @pytest.fixture
