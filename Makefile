@@ -36,7 +36,7 @@ $(VENV)/.engines: $(VENV)/.installed
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -m fast_start.demo
+	$(PY) -m devtools.demo
 
 test: $(VENV)/.engines system-deps
 	$(PY) -m pytest -q

@@ -1,7 +1,7 @@
 """A tensor-parallel restart measured end to end: one daemon per GPU, one engine rank per GPU.
 
-    python bench/tp_restart.py --gpus 4                  # the ~122B Qwen3-MoE FP8 at TP 4 (~123 GB on disk)
-    python bench/tp_restart.py --gpus 4 --layers 24      # the same shapes at half the layers
+    python -m bench.tp_restart --gpus 4                  # the ~122B Qwen3-MoE FP8 at TP 4 (~123 GB on disk)
+    python -m bench.tp_restart --gpus 4 --layers 24      # the same shapes at half the layers
 
 1. Writes a synthetic pre-quantized checkpoint (FP8, 128x128 block scales, `fp8-checkpoint`) of a
    Qwen3-MoE shape of about 122 billion parameters: hidden 4096, 128 experts of 1536, 64 heads,
@@ -35,9 +35,10 @@ from pathlib import Path
 import torch
 
 import fast_start
-from fast_start import protocol, synth
+from fast_start import protocol
+from devtools import synth
 from fast_start.client import connect, request
-from fast_start.harness import Daemon, write_config
+from devtools.harness import Daemon, write_config
 
 SHAPE = synth.Shape(architecture="Qwen3MoeForCausalLM", hidden_size=4096, num_layers=49, num_heads=64,
                     num_kv_heads=4, head_dim=128, intermediate_size=1536, vocab_size=151936,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fast_start import synth
+from devtools import synth
 
 # Shaped so that every method works at TP 1, 2 and 4: shards are multiples of 128 rows and
 # columns (fp8-block), and TP 4 > 2 KV heads exercises GQA replication.
@@ -54,7 +54,7 @@ def small(tmp_path):
 @pytest.fixture
 def daemons(tmp_path):
     """Start real daemons: `daemons(config, gpu)`; all are stopped at the end of the test."""
-    from fast_start.harness import Daemon
+    from devtools.harness import Daemon
     started = []
 
     def start(config, gpu=0, env=None, wait=True, listen=None, nofile=None):

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fast_start
-from fast_start import synth
+from devtools import synth
 from fast_start.checkpoint import INDEX, open_checkpoint, required_tensors
 from fast_start.errors import CheckpointError, FastStartError
 

@@ -14,7 +14,7 @@ import fast_start
 from fast_start.checkpoint import open_checkpoint
 from fast_start.cli import app
 from fast_start.fingerprint import fingerprint
-from fast_start.harness import write_config
+from devtools.harness import write_config
 
 runner = CliRunner()
 

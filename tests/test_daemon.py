@@ -19,7 +19,7 @@ import fast_start
 from fast_start import protocol
 from fast_start.client import connect, request
 from fast_start.errors import CacheMiss
-from fast_start.harness import write_config
+from devtools.harness import write_config
 
 METHODS = ["none", "fp8", "fp8-channel", "fp8-block"]
 

@@ -10,7 +10,7 @@ import torch
 from scramble import scramble
 
 import fast_start
-from fast_start.harness import write_config
+from devtools.harness import write_config
 
 
 def model(path, **kw):

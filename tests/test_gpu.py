@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fast_start
-from fast_start.harness import write_config
+from devtools.harness import write_config
 from test_tp_forward import assert_close_bf16, reference, run_ranks
 
 pytestmark = pytest.mark.gpu

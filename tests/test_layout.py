@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import LLAMA
 
-from fast_start import synth
+from devtools import synth
 from fast_start.checkpoint import open_checkpoint
 from fast_start.client import from_arenas
 from fast_start.errors import QuantizationError, ShardError

@@ -16,7 +16,7 @@ from probe import evictions, status, wait_until
 
 import fast_start
 from fast_start.cli import app
-from fast_start.harness import write_config
+from devtools.harness import write_config
 
 runner = CliRunner()
 

@@ -23,7 +23,7 @@ from fast_start import protocol
 from fast_start.checkpoint import open_checkpoint
 from fast_start.client import connect, request
 from fast_start.fingerprint import WeightSpec, fingerprint
-from fast_start.harness import write_config
+from devtools.harness import write_config
 from fast_start.serve import FRAME_S, IDLE_S, MAX_CONNECTIONS_PER_UID
 from fast_start.watch import identity
 

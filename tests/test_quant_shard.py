@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import fast_start
-from fast_start import quant, shard, synth
+from devtools import synth
+from fast_start import quant, shard
 from fast_start.checkpoint import open_checkpoint
 from fast_start.errors import QuantizationError, ShardError
 from fast_start.materialize import materialize

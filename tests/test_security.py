@@ -15,7 +15,7 @@ import pytest
 
 import fast_start
 from fast_start.errors import CacheMiss
-from fast_start.harness import write_config
+from devtools.harness import write_config
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
 NOBODY = pwd.getpwnam("nobody")

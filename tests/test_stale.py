@@ -21,7 +21,7 @@ from fast_start import protocol, watch
 from fast_start.cache import Cache, Entry
 from fast_start.config import ModelConfig
 from fast_start.errors import CacheMiss
-from fast_start.harness import write_config
+from devtools.harness import write_config
 from fast_start.materialize import materialize
 from fast_start.trust import Peer
 

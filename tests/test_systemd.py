@@ -17,7 +17,7 @@ import pytest
 
 import fast_start
 from container import Container, available
-from fast_start import synth
+from devtools import synth
 from fast_start.manifest import checksum
 
 REPO = Path(__file__).resolve().parent.parent

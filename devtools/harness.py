@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from .config import tomllib
+from fast_start.config import tomllib
 
 
 class NotifyListener:

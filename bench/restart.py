@@ -1,4 +1,4 @@
-"""`python -m fast_start.bench`: disk fetch vs cache fetch, measured side by side in one run.
+"""`python -m bench.restart`: disk fetch vs cache fetch, measured side by side in one run.
 
 Builds (once) a Llama-shaped checkpoint of `--size`, restarts an engine (a fresh process, as a
 real restart is) `--repeat` times with no daemon (disk), starts a real daemon and times it to
@@ -23,9 +23,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import synth
-from .config import parse_bytes
-from .harness import Daemon, write_config
+from devtools import synth
+from fast_start.config import parse_bytes
+from devtools.harness import Daemon, write_config
 
 console = Console()
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", default="4GiB,16GiB", help="with --device cuda: checkpoint sizes side by side")
     args = ap.parse_args(argv)
     if args.device == "cuda":
-        from . import bench_gpu
+        from bench import gpu as bench_gpu
         bench_gpu.main([parse_bytes(s) for s in args.sizes.split(",")], args.repeat, Path(args.dir), Path(args.json))
         return
     shape = synth.llama_of_size(parse_bytes(args.size))

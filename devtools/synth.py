@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from . import quant
-from .checkpoint import INDEX, ModelDims, required_tensors
+from fast_start import quant
+from fast_start.checkpoint import INDEX, ModelDims, required_tensors
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}

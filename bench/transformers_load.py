@@ -1,4 +1,4 @@
-"""The transformers restart benchmark (`python -m fast_start.bench_transformers`).
+"""The transformers restart benchmark (`python -m bench.transformers_load`).
 
 An engine restart measured as an operator sees it: a fresh Python process per restart that
 ends with a ready `PreTrainedModel` on the device and its greedy tokens. Three ways, side by
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from . import synth
-from .config import parse_bytes
-from .harness import Daemon, write_config
+from devtools import synth
+from fast_start.config import parse_bytes
+from devtools.harness import Daemon, write_config
 
 # One restart. "prepare" is what every restart pays whatever the weights' source: imports (the
 # model's modeling module pulls in most of transformers), config.json and the CUDA context.

@@ -1,4 +1,4 @@
-"""The restart benchmark on a GPU (`python -m fast_start.bench --device cuda`).
+"""The restart benchmark on a GPU (`python -m bench.restart --device cuda`).
 
 For each size (default 4 GiB and 16 GiB Llama-shaped bf16 checkpoints, page cache hot) it
 measures in one run: `safetensors.torch.load_file(device="cuda")`; fast-start's disk path (bf16
@@ -24,10 +24,11 @@ from safetensors.torch import load_file
 
 import fast_start
 
-from . import protocol, synth
-from .checkpoint import shard_files
-from .client import connect, request
-from .harness import Daemon, write_config
+from fast_start import protocol
+from devtools import synth
+from fast_start.checkpoint import shard_files
+from fast_start.client import connect, request
+from devtools.harness import Daemon, write_config
 
 # Producer for the legacy mechanism: weights on the GPU, one CUDA IPC handle per tensor.
 IPC_PRODUCER = """

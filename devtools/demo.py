@@ -19,9 +19,9 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from . import synth
-from .bench import restart
-from .harness import Daemon, write_config
+from devtools import synth
+from bench.restart import restart
+from devtools.harness import Daemon, write_config
 
 SIZE = 1 << 30
 console = Console()

@@ -1,0 +1,1 @@
+"""Benchmarks; run from the checkout root, e.g. `python -m bench.restart`."""
