@@ -27,7 +27,7 @@ import fast_start
 from fast_start import protocol
 from devtools import synth
 from fast_start.checkpoint import shard_files
-from fast_start.client import connect, request
+from fast_start.transport import connect, request
 from devtools.harness import Daemon, write_config
 
 # Producer for the legacy mechanism: weights on the GPU, one CUDA IPC handle per tensor.
@@ -82,9 +82,7 @@ def legacy_ipc(folder: Path, tmp: Path, repeat: int) -> float:
 
 def measure(size: int, root: Path, repeat: int) -> dict:
     shape = synth.llama_of_size(size, hidden_size=4096)
-    folder = root / f"llama-{shape.num_layers}L-{shape.hidden_size}h"
-    if not (folder / "config.json").exists():
-        synth.write_checkpoint(folder, shape, files=max(1, size // 2**32), reuse=True)
+    folder = synth.cached(root, shape, files=max(1, size // 2**32), reuse=True)
     files = [folder / f for f in shard_files(folder)]
     nbytes = sum(f.stat().st_size for f in files)
     r = {"checkpoint_bytes": nbytes, "tensors": len(synth.required_tensors(shape.dims()))}

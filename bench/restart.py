@@ -77,10 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         bench_gpu.main([parse_bytes(s) for s in args.sizes.split(",")], args.repeat, Path(args.dir), Path(args.json))
         return
     shape = synth.llama_of_size(parse_bytes(args.size))
-    folder = Path(args.dir) / f"llama-{shape.num_layers}L-{shape.hidden_size}h"
-    if not (folder / "config.json").exists():
-        console.print(f"writing {folder} ...")
-        synth.write_checkpoint(folder, shape, files=4)
+    folder = synth.cached(args.dir, shape, files=4)
     results = {"date": time.strftime("%Y-%m-%d"), "machine": platform.node(), "torch": torch.__version__,
                "device": "cpu", "checkpoint_bytes": shape.nbytes(), "repeat": args.repeat}
     with tempfile.TemporaryDirectory(prefix="fast-start-bench-") as tmp:

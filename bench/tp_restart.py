@@ -37,7 +37,7 @@ import torch
 import fast_start
 from fast_start import protocol
 from devtools import synth
-from fast_start.client import connect, request
+from fast_start.transport import connect, request
 from devtools.harness import Daemon, write_config
 
 SHAPE = synth.Shape(architecture="Qwen3MoeForCausalLM", hidden_size=4096, num_layers=49, num_heads=64,
@@ -53,12 +53,9 @@ def params(shape: synth.Shape) -> int:
 
 def checkpoint(root: Path, layers: int) -> Path:
     shape = synth.Shape(**{**SHAPE.__dict__, "num_layers": layers})
-    folder = root / f"qwen3moe-{layers}L-fp8"
-    if not (folder / "config.json").exists():
-        t0 = time.perf_counter()
-        synth.write_checkpoint(folder, shape, files=max(1, layers // 2), fp8="block", reuse=True)
-        print(f"wrote {folder} ({params(shape) / 1e9:.1f}B parameters) in {time.perf_counter() - t0:.0f} s",
-              flush=True)
+    t0 = time.perf_counter()
+    folder = synth.cached(root, shape, f"qwen3moe-{layers}L-fp8", files=max(1, layers // 2), fp8="block", reuse=True)
+    print(f"{folder}: {params(shape) / 1e9:.1f}B parameters, ready in {time.perf_counter() - t0:.0f} s", flush=True)
     return folder
 
 

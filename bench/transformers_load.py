@@ -69,9 +69,7 @@ def measure(size: int, root: Path, repeat: int, device: str) -> dict:
     import transformers
 
     shape = synth.llama_of_size(size, hidden_size=4096)
-    folder = root / f"llama-{shape.num_layers}L-{shape.hidden_size}h"
-    if not (folder / "config.json").exists():
-        synth.write_checkpoint(folder, shape, files=max(1, size // 2**32), reuse=True)
+    folder = synth.cached(root, shape, files=max(1, size // 2**32), reuse=True)
     nbytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     r = {"checkpoint_bytes": nbytes, "device": device, "transformers": transformers.__version__, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="fast-start-bench-") as tmp:

@@ -33,16 +33,19 @@ def bar(label: str) -> Progress:
 
 def demo_checkpoint(root: Path) -> Path:
     """The demo model, generated on first use and kept (`FAST_START_DEMO_DIR` moves it)."""
-    shape = synth.llama_of_size(SIZE)
-    folder = root / f"llama-{shape.num_layers}L-{shape.hidden_size}h"
-    if (folder / "config.json").exists():
-        return folder
-    with bar("generating checkpoint") as progress:
-        task = progress.add_task("", total=shape.nbytes())
-        synth.write_checkpoint(folder.with_suffix(".tmp"), shape, files=2,
-                               progress=lambda done, total: progress.update(task, completed=done))
-    folder.with_suffix(".tmp").rename(folder)
-    return folder
+    shown = {}      # the bar appears only if the checkpoint is written now
+
+    def progress(done: int, total: int) -> None:
+        if not shown:
+            shown["bar"] = bar("generating checkpoint")
+            shown["bar"].start()
+            shown["task"] = shown["bar"].add_task("", total=total)
+        shown["bar"].update(shown["task"], completed=done)
+    try:
+        return synth.cached(root, synth.llama_of_size(SIZE), files=2, progress=progress)
+    finally:
+        if shown:
+            shown["bar"].stop()
 
 
 def wait_ready(daemon: Daemon) -> float:

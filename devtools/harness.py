@@ -115,9 +115,9 @@ class Daemon:
     _count = itertools.count()
 
     def __init__(self, tmp: Path, config: Path, gpu: int = 0, env: dict | None = None, log=None,
-                 listen: dict[str, int] | None = None, nofile: int | None = None):
+                 listen: dict[str, int] | None = None, rlimits: dict[int, int] | None = None):
         """`listen`: FDNAME -> fd handed to the daemon as systemd does (LISTEN_FDS, from fd 3 on).
-        `nofile`: the daemon's file-descriptor limit, soft and hard."""
+        `rlimits`: resource limits of the daemon (and its workers), e.g. {RLIMIT_NOFILE: 1024}."""
         self.config, self.gpu = config, gpu
         # Read the socket directory without validating: tests start daemons on bad configs on purpose.
         self.socket_dir = Path(tomllib.loads(config.read_text())["daemon"]["socket_dir"])
@@ -131,7 +131,9 @@ class Daemon:
             full_env.update(LISTEN_FDS=str(len(listen)), LISTEN_FDNAMES=":".join(listen))
             command = [sys.executable, "-c", _LISTEN, ",".join(map(str, listen.values())), *command]
         with open(self.log, "w") as log_file:
-            limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
+            def limit():
+                for which, value in (rlimits or {}).items():
+                    resource.setrlimit(which, (value, value))
             self.proc = subprocess.Popen(command, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
                                          pass_fds=list(listen.values()), preexec_fn=limit)
 

@@ -15,13 +15,13 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from fast_start import quant
-from fast_start.checkpoint import INDEX, ModelDims, required_tensors
+from fast_start import fp8, quant
+from fast_start.headers import INDEX, ModelDims, required_tensors
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
-FP8_SCHEMES = {"tensor": (quant.to_fp8, "_scale"), "channel": (quant.to_fp8_channel, "_scale"),
-               "block": (quant.to_fp8_block, "_scale_inv")}
+FP8_SCHEMES = {"tensor": (fp8.to_fp8, "_scale"), "channel": (fp8.to_fp8_channel, "_scale"),
+               "block": (fp8.to_fp8_block, "_scale_inv")}
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,20 @@ def write_checkpoint(folder: str | Path, shape: Shape = Shape(), *, files: int =
     if files > 1:
         (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     (folder / "config.json").write_text(json.dumps(shape.config(fp8), indent=1))
+    return folder
+
+
+def cached(root: str | Path, shape: Shape, name: str | None = None, **kw) -> Path:
+    """A synthetic checkpoint kept under `root` between runs (benchmarks, the demo), written once.
+
+    It is written under a temporary name and renamed when complete, so an interrupted write is
+    never taken for a checkpoint. `kw` goes to `write_checkpoint`.
+    """
+    folder = Path(root) / (name or f"{MODEL_TYPES[shape.architecture]}-{shape.num_layers}L-{shape.hidden_size}h")
+    if not (folder / "config.json").exists():
+        partial = folder.with_name(folder.name + ".partial")
+        write_checkpoint(partial, shape, **kw)
+        partial.rename(folder)
     return folder
 
 

@@ -20,11 +20,14 @@ import warnings
 
 import torch
 
+from . import dtypes
 from .errors import ArenaError
-from .manifest import DTYPES, TensorEntry
+from .manifest import TensorEntry
 
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 _WRITE_STEP = 1 << 26
+_CHUNK = 1 << 28   # bytes per checksum step (a multiple of _BLOCK)
+_BLOCK = 4096
 
 
 class MemfdWriter:
@@ -107,7 +110,7 @@ def views(arena: torch.Tensor, entries: list[TensorEntry]) -> dict[str, torch.Te
     typed: dict[str, torch.Tensor] = {}
     out = {}
     for e in entries:
-        dtype = DTYPES[e.dtype]
+        dtype = dtypes.torch_dtype(e.dtype)
         if e.dtype not in typed:
             usable = arena.numel() // dtype.itemsize * dtype.itemsize
             typed[e.dtype] = arena[:usable].view(dtype)
@@ -117,3 +120,27 @@ def views(arena: torch.Tensor, entries: list[TensorEntry]) -> dict[str, torch.Te
             step *= size
         out[e.name] = typed[e.dtype].as_strided(e.shape, stride[::-1], e.offset // dtype.itemsize)
     return out
+
+
+def checksum(t: torch.Tensor) -> str:
+    """Device-independent checksum of a contiguous tensor's bytes.
+
+    The bytes, zero-padded, are read as int64 words in blocks of 4 KiB; the result is the sum of
+    all words and the sum of block sums weighted by block position (both mod 2**64). Integer
+    sums wrap the same way on every device and in any order, so CPU and GPU agree, and one pass
+    runs at memory speed. It detects corruption (stray writes, torn copies), not tampering.
+    """
+    b = t.detach().reshape(-1).view(torch.uint8)
+    if b.data_ptr() % 8:
+        b = b.clone()   # int64 views need 8-byte alignment
+    s1 = s2 = 0
+    for start in range(0, b.numel(), _CHUNK):
+        c = b[start:start + _CHUNK]
+        if c.numel() % _BLOCK:
+            c = torch.cat([c, c.new_zeros(_BLOCK - c.numel() % _BLOCK)])
+        blocks = c.view(torch.int64).view(-1, _BLOCK // 8).sum(1)
+        first = start // _BLOCK + 1
+        pos = torch.arange(first, first + blocks.numel(), dtype=torch.int64, device=blocks.device)
+        s1 += int(blocks.sum())
+        s2 += int((blocks * pos).sum())
+    return f"{s1 % 2**64:016x}{s2 % 2**64:016x}"

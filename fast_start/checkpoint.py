@@ -8,11 +8,11 @@ index and the files agreeing, no tensor in two files, and every tensor the archi
 being present. Tensors are read through `safe_open` (memory-mapped), never whole files.
 
 The raw header bytes of each file (8-byte length + JSON) are kept: they feed the fingerprint.
+Finding the files, reading raw headers and config.json is `headers.py`'s (no torch).
 """
 from __future__ import annotations
 
 import json
-import os
 import struct
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -22,59 +22,11 @@ from typing import Callable, Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
+from . import dtypes
 from .errors import CheckpointError
+from .headers import INDEX, MAX_HEADER, ModelDims, read_index, raw_header, read_config, required_tensors, shard_files
 
-INDEX = "model.safetensors.index.json"
-MAX_HEADER = 100_000_000  # the safetensors format's own limit
-
-DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
-# Tensors each architecture needs, per decoder layer. "{e}" expands over experts.
-PARTS = {
-    "attn": ("input_layernorm.weight", "post_attention_layernorm.weight",
-             "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-             "self_attn.o_proj.weight"),
-    "qkv_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "qk_norm": ("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
-    "mlp": ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"),
-    "qwen_moe": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
-                 "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
-    "mixtral_moe": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
-                    "block_sparse_moe.experts.{e}.w2.weight", "block_sparse_moe.experts.{e}.w3.weight"),
-}
-# architecture -> (parts of every layer, part of a sparse layer or None, its dense part)
-ARCHITECTURES = {
-    "LlamaForCausalLM": (("attn",), None, "mlp"),
-    "MistralForCausalLM": (("attn",), None, "mlp"),
-    "Qwen2ForCausalLM": (("attn", "qkv_bias"), None, "mlp"),
-    "Qwen3ForCausalLM": (("attn", "qk_norm"), None, "mlp"),
-    "Qwen3MoeForCausalLM": (("attn", "qk_norm"), "qwen_moe", "mlp"),
-    "MixtralForCausalLM": (("attn",), "mixtral_moe", "mlp"),
-}
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """What `config.json` says about the model's shape."""
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    num_experts: int = 0
-    moe_intermediate_size: int = 0
-    sparse_layers: tuple[int, ...] = ()
-    quantization_config: dict | None = None
-
+DTYPES = {d.code: dtypes.torch_dtype(d.name) for d in dtypes.TABLE}
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -117,78 +69,6 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(folder, files, headers, tensors, dims)
 
 
-def read_config(folder: Path) -> ModelDims:
-    path = folder / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing", "copy the model's config.json next to its weights") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not readable JSON: {e}", "restore the model's config.json") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path} is not a JSON object", "restore the model's config.json")
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if isinstance(archs, list) and archs else None
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(f"{path}: architecture {arch!r} is not supported",
-                              f"use one of {', '.join(ARCHITECTURES)}")
-
-    def key(k: str, default=None) -> int:
-        v = cfg.get(k)
-        v = default if v is None else v   # HF writes null for "derive it"
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise CheckpointError(f"{path}: {k} = {v!r} is not a non-negative integer",
-                                  f"set {k} in config.json as the model defines it")
-        return v
-
-    heads, layers = key("num_attention_heads"), key("num_hidden_layers")
-    if heads == 0:
-        raise CheckpointError(f"{path}: num_attention_heads is 0", "restore the model's config.json")
-    experts = key("num_experts", 0) if arch == "Qwen3MoeForCausalLM" else key("num_local_experts", 0)
-    moe_part = ARCHITECTURES[arch][1]
-    step = key("decoder_sparse_step", 1) or 1
-    dense_only = set(cfg.get("mlp_only_layers") or ())
-    sparse = tuple(i for i in range(layers) if moe_part and experts and i not in dense_only and (i + 1) % step == 0)
-    intermediate = key("intermediate_size", 0 if sparse and arch == "Qwen3MoeForCausalLM" else None)
-    return ModelDims(
-        architecture=arch, num_layers=layers, hidden_size=key("hidden_size"), num_heads=heads,
-        num_kv_heads=key("num_key_value_heads", heads),
-        head_dim=key("head_dim", key("hidden_size") // heads if heads else 0),
-        intermediate_size=intermediate, vocab_size=key("vocab_size"),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        num_experts=experts,
-        moe_intermediate_size=key("moe_intermediate_size", intermediate) if arch == "Qwen3MoeForCausalLM" else intermediate,
-        sparse_layers=sparse, quantization_config=cfg.get("quantization_config"))
-
-
-def required_tensors(dims: ModelDims) -> list[str]:
-    """Names of the weights the architecture needs (scales of pre-quantized weights not included)."""
-    common, moe_part, dense_part = ARCHITECTURES[dims.architecture]
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not dims.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(dims.num_layers):
-        parts = common + ((moe_part,) if i in dims.sparse_layers else (dense_part,))
-        for part in parts:
-            for t in PARTS[part]:
-                experts = range(dims.num_experts) if "{e}" in t else (None,)
-                names += [f"model.layers.{i}." + t.format(e=e) for e in experts]
-    return names
-
-
-def raw_header(path: Path) -> bytes:
-    """The 8-byte little-endian length and the JSON header, as stored."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            return head + f.read(min(n, MAX_HEADER))
-    except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e.strerror or e}",
-                              "make the checkpoint readable by this process's user (uid "
-                              f"{os.geteuid()})") from None
-
-
 @contextmanager
 def tensor_reader(ckpt: Checkpoint) -> Iterator[Callable[[str], torch.Tensor]]:
     """Yields `read(name, cut=None) -> Tensor` over memory-mapped files open for the block.
@@ -218,48 +98,11 @@ def tensor_reader(ckpt: Checkpoint) -> Iterator[Callable[[str], torch.Tensor]]:
         yield read
 
 
-def shard_files(folder: Path) -> tuple[str, ...]:
-    """The safetensors files of a model folder: those the index names, else every *.safetensors."""
-    index = folder / INDEX
-    try:
-        indexed = index.exists()
-    except OSError as e:
-        raise CheckpointError(f"cannot read {folder}: {e.strerror or e}", "make the checkpoint readable by this "
-                              f"process's user (uid {os.geteuid()})") from None
-    if indexed:
-        files = sorted(set(_read_index(index).values()))
-        for name in files:
-            if not (folder / name).is_file():
-                raise CheckpointError(f"{index} names shard {name}, which is missing from {folder}",
-                                      "download the missing shard or restore the index")
-        return tuple(files)
-    files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {folder}",
-                              "point the model path at a folder holding safetensors weights")
-    return tuple(files)
-
-
-def _read_index(index: Path) -> dict[str, str]:
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
-        raise CheckpointError(f"{index} is not a readable index: {e}", "restore the model's index file") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{index} has no weight_map of tensor name -> file name",
-                              "restore the model's index file")
-    for v in set(weight_map.values()):
-        if "/" in v or v in ("", ".", ".."):
-            raise CheckpointError(f"{index} names {v!r}, which is not a file inside the model folder",
-                                  "the index may only name files next to it")
-    return weight_map
-
-
 def _check_index(folder: Path, files: tuple[str, ...], tensors: dict[str, TensorInfo]) -> None:
     index = folder / INDEX
     if not index.exists():
         return
-    weight_map = _read_index(index)
+    weight_map = read_index(index)
     for name, file in weight_map.items():
         if name not in tensors:
             raise CheckpointError(f"{index} places tensor {name!r} in {file}, but no file holds it",

@@ -3,6 +3,9 @@
 Exit codes are part of the interface (runbooks branch on them): 0 ok / match, 1 mismatch or
 not ready, 2 usage (including a bad config), 3 no daemon reachable. `fails` below is the one
 place where errors become one line and an exit code; no command prints a traceback.
+
+The CLI imports no torch: it talks to daemons (`transport.py`) and reads headers; `verify --deep`,
+which compares tensor bytes, hands that to a fill worker.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -20,15 +24,12 @@ from rich.console import Console
 from rich.table import Table
 
 from . import config as configs
-from . import daemon as daemons
 from . import protocol, watch
-from .checkpoint import open_checkpoint
-from .client import connect, from_arenas, request
 from .config import ConfigError
 from .errors import FastStartError, NoDaemon, Refused
 from .fingerprint import Fingerprint, WeightSpec, checkpoint_hash, fingerprint
-from .manifest import Manifest, checksum
-from .materialize import load_from_disk
+from .headers import raw_header, shard_files
+from .transport import DEFAULT_SOCKET_DIR, connect, request, socket_path, state_path
 from .trust import TrustError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -61,10 +62,13 @@ def fails(command):
 
 
 def socket_dir(config: Path) -> str:
-    if os.environ.get("FAST_START_SOCKET_DIR"):
-        return os.environ["FAST_START_SOCKET_DIR"]
-    if config == configs.DEFAULT_PATH and not config.exists():
-        return configs.DEFAULT_SOCKET_DIR
+    """The config's socket_dir when --config is given, else $FAST_START_SOCKET_DIR, else that of
+    /etc/fast-start/fast-start.toml, else /run/fast-start."""
+    if config == configs.DEFAULT_PATH:
+        if os.environ.get("FAST_START_SOCKET_DIR"):
+            return os.environ["FAST_START_SOCKET_DIR"]
+        if not config.exists():
+            return DEFAULT_SOCKET_DIR
     return configs.load(config, check_paths=False).daemon.socket_dir
 
 
@@ -82,7 +86,7 @@ def gpus(directory: str, gpu: int | None) -> list[int]:
 
 def ask(directory: str, gpu: int, msg, with_fds: bool = False):
     """One request to GPU `gpu`'s daemon; NoDaemon when it cannot be reached or refuses us."""
-    path = daemons.socket_path(directory, gpu)
+    path = socket_path(directory, gpu)
     try:
         conn = connect(path, timeout=10.0)
     except (OSError, TrustError) as e:
@@ -110,8 +114,9 @@ def emit(data, as_json: bool, human) -> None:
 @fails
 def daemon_cmd(gpu: int = typer.Option(..., "--gpu", help="the GPU this daemon serves"), config: Path = CONFIG):
     """Run GPU N's daemon in the foreground (what fast-start@N.service runs)."""
+    from . import daemon
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    raise typer.Exit(daemons.run(str(config), gpu))
+    raise typer.Exit(daemon.run(str(config), gpu))
 
 
 @app.command()
@@ -126,7 +131,7 @@ def status(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON
         except Refused:
             raise
         except NoDaemon:
-            state_file = daemons.state_path(directory, g)
+            state_file = state_path(directory, g)
             if not state_file.exists():
                 if gpu is not None:
                     raise
@@ -207,8 +212,7 @@ def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint 
                     layout: str = typer.Option("hf", "--layout"), revision: str = typer.Option("main", "--revision"),
                     engine_version: str = typer.Option("", "--engine-version"), as_json: bool = JSON):
     """Compute a checkpoint's fingerprint without a daemon."""
-    fp = fingerprint(WeightSpec(str(model), tp, rank, dtype, quantization, layout, revision, engine_version),
-                     open_checkpoint(model))
+    fp = fingerprint(WeightSpec(str(model), tp, rank, dtype, quantization, layout, revision, engine_version))
     data = {"digest": fp.digest(), "fingerprint": fp.to_dict()}
 
     emit(data, as_json, lambda d: _field_table(f"fingerprint {d['digest'][:16]}", d["fingerprint"]))
@@ -221,24 +225,24 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
            config: Path = CONFIG, as_json: bool = JSON):
     """Does the cache match this checkpoint? Exit 0 on a match, 1 on a mismatch or nothing cached."""
     directory = socket_dir(config)
-    ckpt = open_checkpoint(model)
+    headers = checkpoint_hash({f: raw_header(model / f) for f in shard_files(model)})
     files = watch.identity(model)
     results = []
     for g in gpus(directory, gpu):
         for m in ask(directory, g, protocol.Fingerprints()).body["models"]:
             stored = Fingerprint.from_dict(m["fingerprint"])
             same_folder = "path" in m and Path(m["path"]).resolve() == model.resolve()
-            if not same_folder and stored.checkpoint != checkpoint_hash(ckpt.headers):
+            if not same_folder and stored.checkpoint != headers:
                 continue
             spec = WeightSpec(str(model), stored.tensor_parallel_size, stored.rank, stored.dtype, stored.quantization,
                               stored.layout.split("/")[0], stored.revision, stored.engine_version)
-            fields = list(stored.diff(fingerprint(spec, ckpt)))
+            fields = list(stored.diff(fingerprint(spec)))
             changed = watch.differs(m["files"], files)
             if changed:      # the fill read other files, or these changed since
                 fields.append("files")
             result = {"gpu": g, "model": m["name"], "match": not fields, "fields": fields, "files": changed}
             if deep and not fields:
-                result["tensors_differing"] = _deep_compare(directory, g, stored, spec, files)
+                result["tensors_differing"] = _deep_compare(directory, g, stored, spec, files, config)
                 result["match"] = not result["tensors_differing"]
             results.append(result)
 
@@ -254,32 +258,27 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
         raise typer.Exit(1)
 
 
-def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpec, files: dict) -> list[str]:
-    """Names of tensors whose cached bytes or disk-derived bytes differ from the manifest's checksums."""
+def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpec, files: dict,
+                  config: Path) -> list[str]:
+    """Names of tensors whose cached bytes or disk-derived bytes differ from the manifest's checksums.
+
+    A fill worker (the config's `worker_python`) maps the arenas and derives the checkpoint's
+    tensors one at a time, so neither this process nor the worker holds the shard in RAM.
+    """
+    from .fill import Worker, worker_env
     reply, fds = ask(directory, gpu, protocol.Acquire(stored.to_dict(), "zero_copy", files), with_fds=True)
     if isinstance(reply, protocol.Miss):
         return [f"(cache miss: {reply.reason})"]
-    manifest = Manifest.from_dict(reply.manifest)
+    python = sys.executable
+    if config.exists():
+        python = configs.load(config, check_paths=False).daemon.worker_python or python
     try:
-        cached = from_arenas(manifest, fds, device=_local_device(manifest.arenas[0].device))
+        with Worker(python, worker_env(1), threading.Event()) as worker:
+            job = protocol.VerifyJob(reply.model, reply.manifest, spec.__dict__)
+            return [msg for msg, _ in worker.run(job, fds)][-1].bad
     finally:
         for fd in fds:
             os.close(fd)
-    disk, _, _ = load_from_disk(spec)
-    return [e.name for e in manifest.tensors
-            if checksum(cached[e.name]) != e.checksum or e.name not in disk or checksum(disk[e.name]) != e.checksum]
-
-
-def _local_device(arena_device: str) -> str:
-    """This process's name for the device an arena lives on ("cpu", or the GPU with that UUID)."""
-    if arena_device == "cpu":
-        return "cpu"
-    import torch
-    from . import vmm
-    for i in range(torch.cuda.device_count()):
-        if vmm.device_uuid(i) == arena_device:
-            return f"cuda:{i}"
-    raise FastStartError(f"GPU {arena_device} is not visible to this process", "unset CUDA_VISIBLE_DEVICES")
 
 
 @app.command()

@@ -16,12 +16,11 @@ from pathlib import Path
 import torch
 
 from . import arena as arenas
-from . import protocol, trust, watch
-from .config import DEFAULT_SOCKET_DIR
+from . import protocol, watch
 from .errors import CacheMiss, FastStartError, LoadError
 from .fingerprint import Fingerprint, WeightSpec, fingerprint
 from .manifest import Manifest
-from .materialize import load_from_disk
+from .transport import connect, request, socket_dir as _socket_dir, sockets as _sockets
 
 log = logging.getLogger("fast_start")
 
@@ -73,16 +72,9 @@ def fetch(spec: WeightSpec, device: str | torch.device = "cpu", mode: str = "zer
             raise CacheMiss(miss.what, miss.fix, fields) from None
         log.warning("fast-start: cache miss for %s rank %d (%s%s); loading from disk", spec.path, spec.rank,
                     miss.what, f"; differing fields: {', '.join(fields)}" if fields else "")
+    from .materialize import load_from_disk     # safetensors and the pipeline: the disk path only
     tensors, aliases, fp = load_from_disk(spec, device)
     return Weights(tensors, aliases, "disk", fp)
-
-
-def _socket_dir(socket_dir: str | None) -> Path:
-    return Path(socket_dir or os.environ.get("FAST_START_SOCKET_DIR") or DEFAULT_SOCKET_DIR)
-
-
-def _sockets(directory: Path) -> list[Path]:
-    return sorted(directory.glob("gpu*.sock")) if directory.is_dir() else []
 
 
 def _from_cache(want: Fingerprint, files: watch.Identity, device: torch.device, mode: str, directory: Path,
@@ -131,53 +123,12 @@ def _use(conn: socket.socket, reply: protocol.Acquired, fds: list[int], want: Fi
     return weights
 
 
-def connect(path: Path, timeout: float) -> socket.socket:
-    """A connection to a daemon whose directory, socket and credentials we trust."""
-    trusted = trust.trusted_daemon_uids()
-    trust.check_socket_path(path, trusted)
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    conn.settimeout(timeout)
-    try:
-        conn.connect(str(path))
-        server = trust.peer(conn)
-        if server.uid not in trusted:
-            raise trust.TrustError(f"{path} is served by uid {server.uid}, not a trusted daemon user",
-                                   "check which process owns the socket")
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def request(conn: socket.socket, msg, with_fds: bool = False):
-    """Send one request and return its reply (and fds when asked for); daemon errors raise.
-
-    A daemon that refuses a peer says why and closes at once, so the request may fail to send
-    (EPIPE): the refusal is then still waiting to be read, and is what this raises.
-    """
-    try:
-        protocol.send(conn, msg)
-    except (BrokenPipeError, ConnectionResetError):
-        reply, fds = protocol.recv(conn, accept_fds=False)
-        if isinstance(reply, protocol.Error):
-            raise FastStartError(reply.what, reply.fix) from None
-        raise
-    reply, fds = protocol.recv(conn, accept_fds=with_fds)
-    if reply is None:
-        raise protocol.ProtocolError("the daemon closed the connection", "see the daemon's log")
-    if isinstance(reply, protocol.Error):
-        for fd in fds:
-            os.close(fd)
-        raise FastStartError(reply.what, reply.fix)
-    return (reply, fds) if with_fds else reply
-
-
 def _device_id(device: torch.device) -> str:
     """How daemons name a device: "cpu", or the GPU's UUID (never an index: CUDA_VISIBLE_DEVICES differs)."""
     if device.type == "cpu":
         return "cpu"
-    from . import vmm
-    return vmm.device_uuid(device.index if device.index is not None else torch.cuda.current_device())
+    from .gpus import device_uuid
+    return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def from_arenas(manifest: Manifest, fds: list[int], mode: str = "zero_copy",

@@ -11,9 +11,10 @@ import sys
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from . import quant
+from . import dtypes, quant
 from .errors import ConfigError
 from .fingerprint import LAYOUTS, WeightSpec
+from .transport import DEFAULT_SOCKET_DIR
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,13 +22,14 @@ else:
     import tomli as tomllib
 
 DEFAULT_PATH = Path("/etc/fast-start/fast-start.toml")
-DEFAULT_SOCKET_DIR = "/run/fast-start"
+AUTO = "auto"                     # engine_version: what the worker's environment has installed
 ON_RELEASE = ("keep", "drop")     # "host" (demote to host RAM) is planned, not built
 DEVICES = ("cuda", "cpu")
 
 
 @dataclass(frozen=True)
 class DaemonConfig:
+    worker_python: str = ""                 # the fill worker's interpreter; "" = the daemon's own
     socket_dir: str = DEFAULT_SOCKET_DIR
     device: str = "cuda"
     on_release: str = "keep"
@@ -59,7 +61,8 @@ class ModelConfig:
     quantization: str = "none"
     layout: str = "hf"
     revision: str = "main"
-    engine_version: str = ""
+    engine_version: str = ""                # "auto": the engine's version in the worker's environment
+    python: str = ""                        # this model's worker interpreter; "" = worker_python
 
     def spec(self, gpu: int) -> WeightSpec:
         """The weights GPU `gpu` serves for this model."""
@@ -75,6 +78,10 @@ class Config:
 
     def models_on(self, gpu: int) -> tuple[ModelConfig, ...]:
         return tuple(m for m in self.models if gpu in m.gpus)
+
+    def python(self, model: ModelConfig) -> str:
+        """The interpreter that fills `model`: its own `python`, `worker_python`, or the daemon's."""
+        return model.python or self.daemon.worker_python or sys.executable
 
 
 def load(path: str | Path = DEFAULT_PATH, check_paths: bool = True) -> Config:
@@ -181,6 +188,9 @@ def _check_daemon(d: DaemonConfig, path: str) -> None:
     if d.on_release not in ON_RELEASE:
         bad("on_release", f"is {d.on_release!r}", f"use one of {', '.join(ON_RELEASE)}"
             + (" (the host-memory tier is not built yet)" if d.on_release == "host" else ""))
+    if d.worker_python and not Path(d.worker_python).is_absolute():
+        bad("worker_python", f"is {d.worker_python!r}, not an absolute path", "name the engine's interpreter, "
+            "e.g. /opt/vllm/.venv/bin/python")
     if not Path(d.socket_dir).is_absolute():
         bad("socket_dir", f"is {d.socket_dir!r}, not an absolute path", "use an absolute path such as /run/fast-start")
     for key in ("allowed_groups", "admin_groups"):
@@ -211,8 +221,8 @@ def _check_model(m: ModelConfig, where: str, check_paths: bool) -> None:
     if m.rank_offset < 0 or m.rank_offset + len(m.gpus) > m.tensor_parallel_size:
         bad("rank_offset", f"{m.rank_offset} with {len(m.gpus)} GPUs serves ranks beyond "
             f"{m.tensor_parallel_size - 1}", "serve at most tensor_parallel_size ranks: fix gpus or rank_offset")
-    if m.dtype not in quant.DTYPES:
-        bad("dtype", f"is {m.dtype!r}", f"use one of {', '.join(quant.DTYPES)}")
+    if m.dtype not in dtypes.MODEL:
+        bad("dtype", f"is {m.dtype!r}", f"use one of {', '.join(dtypes.MODEL)}")
     if m.layout not in LAYOUTS:
         bad("layout", f"is {m.layout!r}", f"use one of {', '.join(LAYOUTS)}")
     if m.quantization not in quant.METHODS:
@@ -220,6 +230,12 @@ def _check_model(m: ModelConfig, where: str, check_paths: bool) -> None:
     if not quant.METHODS[m.quantization].verified_for_sharing:
         verified = [n for n, x in quant.METHODS.items() if x.verified_for_sharing]
         bad("quantization", f"{m.quantization!r} is not verified for sharing", f"use one of {', '.join(verified)}")
+    if m.python and not Path(m.python).is_absolute():
+        bad("python", f"is {m.python!r}, not an absolute path", "name the engine's interpreter, e.g. "
+            "/opt/vllm/.venv/bin/python")
+    if m.engine_version == AUTO and m.layout != "vllm":
+        bad("engine_version", "is \"auto\", which only a vLLM model (layout = \"vllm\") can resolve",
+            "write the version your engine passes in its WeightSpec")
     folder = Path(m.path)
     if not folder.is_absolute():
         bad("path", f"{m.path!r} is not an absolute path", "write the model folder's absolute path")

@@ -1,20 +1,23 @@
-"""`fast-start daemon --gpu N`: fill the cache for GPU N, then serve it.
+"""`fast-start daemon --gpu N`: fill the cache for GPU N, then serve it. No torch in here.
 
 Start-up order is the contract with systemd and engines:
 1. load and validate the config; create and check the socket directory and take the GPU's lock
    (`gpu<N>.lock`: a second daemon for the same GPU fails at once, naming the first's pid);
-2. re-adopt what systemd's fd store kept from a previous process (`fdstore.py`: fingerprint and
-   checkpoint files checked against the config, checksums re-verified; anything that fails is
-   dropped and filled again, never a reason to fail); then check every other model's headers
-   (TP sizes, rules, quantization, memory budget): a mistake fails here, before any tensor data
-   is read;
-3. fill the remaining models in a worker child process, relaying its progress as `STATUS=` and
-   extending the start timeout (`EXTEND_TIMEOUT_USEC=`) while it advances; store each result in
-   systemd's fd store;
-4. bind `gpu<N>.sock` only now, then `READY=1`;
-5. serve (`serve.py`): the main loop waits on one epoll set for connections, signals, checkpoint
-   changes (inotify) and engine exits (pidfds), and pings the watchdog. A *keeper* thread checks
-   checkpoints against what was filled and refills in the background; SIGHUP reloads the config.
+2. start a fill worker with each interpreter the GPU's models name (`worker_python`, a model's
+   `python`): one that does not speak this protocol fails the start, naming both versions; its
+   environment resolves `engine_version = "auto"`;
+3. re-adopt what systemd's fd store kept from a previous process (`fdstore.py`: fingerprint and
+   checkpoint files checked against the config, checksums re-verified by a worker; anything that
+   fails is dropped and filled again, never a reason to fail); then a worker checks every other
+   model's headers (TP sizes, rules, quantization) and sizes its arenas against the memory
+   budget: a mistake fails here, before any tensor data is read;
+4. the workers fill the remaining models, their progress relayed as `STATUS=` and the start
+   timeout extended (`EXTEND_TIMEOUT_USEC=`) while they advance; each result goes into systemd's
+   fd store;
+5. bind `gpu<N>.sock` only now, then `READY=1`;
+6. serve (`serve.py`): the main loop waits on one epoll set for connections, signals, checkpoint
+   changes (inotify) and engine exits (pidfds), and pings the watchdog. The keeper thread
+   (`keeper.py`) refills changed checkpoints and reloads the config on SIGHUP.
 
 Until the socket exists, and whenever start-up fails, `gpu<N>.state` in the socket directory
 says how the fill is going or why it failed, for `fast-start status`.
@@ -26,30 +29,27 @@ import fcntl
 import json
 import logging
 import os
-import queue
 import resource
 import select
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 
+from . import __version__, fdstore, notify, protocol, trust, watch
 from . import config as configs
-from . import fdstore, fill, notify, protocol, trust, watch
 from .cache import Cache, Entry, Limits
-from .checkpoint import open_checkpoint
-from .errors import FastStartError
+from .errors import ConfigError, FastStartError
+from .fill import Workers, worker_env
 from .fingerprint import LAYOUT_VERSION, fingerprint
-from .manifest import Manifest, pack
-from .materialize import plan
+from .keeper import Keeper
+from .manifest import Manifest
 from .serve import Policy, Server
+from .transport import lock_path, socket_path, state_path
 
 log = logging.getLogger("fast_start.daemon")
-SETTLE_S = 2.0       # a changed checkpoint is refilled once its files stay the same this long
-RETRY_S = 10.0       # how often an unusable changed checkpoint is looked at again
-RECHECK_S = 30.0     # every cached model's files are compared with the fill's this often
 FD_RESERVE = 64      # descriptors kept for the daemon itself: listener, epoll, workers, arenas
 
 
@@ -57,23 +57,15 @@ def device_id(device: str, gpu: int) -> str:
     """"cpu", or GPU `gpu`'s UUID (asked of the driver without creating a context)."""
     if device == "cpu":
         return "cpu"
-    from . import vmm
-    return vmm.device_uuid(gpu)
+    from .gpus import device_uuid
+    return device_uuid(gpu)
 
 
 def device_memory(device: str, gpu: int) -> int:
     if device == "cpu":
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    from . import vmm
-    return vmm.total_memory(gpu)
-
-
-def socket_path(socket_dir: str, gpu: int) -> Path:
-    return Path(socket_dir) / f"gpu{gpu}.sock"
-
-
-def state_path(socket_dir: str, gpu: int) -> Path:
-    return Path(socket_dir) / f"gpu{gpu}.state"
+    from .gpus import total_memory
+    return total_memory(gpu)
 
 
 def config_fields(model: configs.ModelConfig, gpu: int) -> dict:
@@ -82,11 +74,6 @@ def config_fields(model: configs.ModelConfig, gpu: int) -> dict:
     return {"tensor_parallel_size": spec.tensor_parallel_size, "rank": spec.rank, "dtype": spec.dtype,
             "quantization": spec.quantization, "revision": spec.revision, "engine_version": spec.engine_version,
             "layout": f"{spec.layout}/{LAYOUT_VERSION}"}
-
-
-def policy(cfg: configs.Config) -> Policy:
-    d = cfg.daemon
-    return Policy(frozenset(d.allowed_uids), d.gids("allowed_groups"), d.gids("admin_groups"))
 
 
 def fd_budget() -> tuple[Limits, int]:
@@ -115,16 +102,13 @@ class Daemon:
         self.limits, max_connections = fd_budget()
         self.cache = Cache(gpu, device_id(cfg.daemon.device, gpu), cfg.daemon.on_release, self.limits,
                            on_evict=lambda entry: fdstore.remove(entry.names),
-                           on_process=self.watch_process, on_stale=self.stale)
+                           on_process=self.watch_process, on_stale=lambda name, why: self.keeper.stale(name, why))
         self.cache.configured = tuple(m.name for m in self.models)
-        self.server = Server(self.cache, policy(cfg), max_connections)
+        self.server = Server(self.cache, Policy.of(cfg.daemon), max_connections)
         self.watch = watch.Watch()
-        self.jobs: queue.Queue = queue.Queue()      # for the keeper thread
-        self.retry: dict[str, float] = {}           # keeper: model -> when to try filling it
-        self.seen: dict[str, watch.Identity] = {}   # keeper: files last seen of a model waiting to settle
+        self.keeper = Keeper(self)
         self.epoll: select.epoll | None = None
         self.started = time.monotonic()
-        self.keeper = threading.Thread(target=self.keep, name="keeper", daemon=True)
 
     @property
     def models(self) -> tuple[configs.ModelConfig, ...]:
@@ -133,10 +117,15 @@ class Daemon:
     def model(self, name: str) -> configs.ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
 
+    def workers(self, starting: bool = False) -> Workers:
+        """Fill workers for this GPU (each gets its share of the host's CPUs)."""
+        env = worker_env(len({g for m in self.cfg.models for g in m.gpus}))
+        return Workers(env, self.stop, starting)
+
     # -- start-up ------------------------------------------------------------------------------
     def lock(self) -> int:
         """Hold `gpu<N>.lock` for the life of the process; fail at once if another daemon holds it."""
-        path = Path(self.directory) / f"gpu{self.gpu}.lock"
+        path = lock_path(self.directory, self.gpu)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -149,16 +138,34 @@ class Daemon:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return fd
 
-    def check_models(self, models) -> None:
-        """Every model's headers against its spec, and the total against the memory budget.
+    def resolve(self, cfg: configs.Config, workers: Workers) -> configs.Config:
+        """`cfg` with this GPU's `engine_version = "auto"` replaced by what each model's worker
+        environment has installed. Starts (and so version-checks) every worker it names."""
+        models = []
+        for m in cfg.models:
+            if self.gpu in m.gpus:
+                hello = workers.get(cfg.python(m)).hello
+                log.info("%s is filled by %s (environment %s: fast-start %s, %s)", m.name, hello.python, hello.prefix,
+                         hello.version, ", ".join(f"{k} {v}" for k, v in hello.engines.items()) or "no engine")
+                if m.engine_version == configs.AUTO:
+                    if "vllm" not in hello.engines:
+                        raise ConfigError(f"{cfg.path}: [[model]] {m.name!r} has engine_version = \"auto\", but "
+                                          f"{hello.python} has no vLLM installed",
+                                          "set worker_python (or the model's python) to the engine's interpreter")
+                    m = replace(m, engine_version=hello.engines["vllm"])
+            models.append(m)
+        return replace(cfg, models=tuple(models))
+
+    def check_models(self, models, workers: Workers) -> None:
+        """Every model's headers against its spec (in a worker), the total against the memory budget.
 
         Reads headers and config.json only, no tensor data.
         """
         with self.cache.lock:
             need = sum(e.nbytes for e in self.cache.entries.values())
         for m in models:
-            _, sizes = pack(plan(open_checkpoint(m.path), m.spec(self.gpu)))
-            need += sum(sizes)
+            for msg, _ in workers.get(self.cfg.python(m)).run(protocol.CheckJob(m.name, m.spec(self.gpu).__dict__)):
+                need += msg.bytes
         total = device_memory(self.cfg.daemon.device, self.gpu)
         budget = configs.parse_bytes(self.cfg.daemon.memory_budget, total)
         if need > budget:
@@ -175,27 +182,22 @@ class Daemon:
     def device(self) -> str:
         return "cpu" if self.cfg.daemon.device == "cpu" else f"cuda:{self.gpu}"
 
-    def worker_env(self) -> dict[str, str]:
-        return fill.worker_env(len({g for m in self.cfg.models for g in m.gpus}))
-
-    def fill(self, models, starting: bool = False) -> None:
-        """Fill `models` in one worker child; each one is served as soon as its arena is complete."""
-        if not models:
-            return
-        files = {m.name: watch.identity(m.path) for m in models}      # before a byte of data is read
+    def fill(self, models, workers: Workers, starting: bool = False) -> None:
+        """Fill `models`; each one is served as soon as its arena is complete."""
         bandwidth = configs.parse_bytes(self.cfg.daemon.fill_bandwidth)
-        jobs = [protocol.FillJob(m.name, m.spec(self.gpu).__dict__, self.device(), bandwidth) for m in models]
-        by_name = {m.name: m for m in models}
-        for msg, fds in fill.run(jobs, self.worker_env(), self.stop, starting=starting):
-            if isinstance(msg, protocol.Progress):
-                self.report_progress(msg, starting)
-                continue
-            manifest = Manifest.from_dict(msg.manifest)
-            entry = Entry(by_name[msg.model], manifest, fds, msg.seconds, files[msg.model])
-            entry.names = fdstore.store(msg.model, manifest, fds, entry.filled_at, entry.files)
-            self.cache.add(entry)
-            log.info("cached %s rank %d: %s in %.1f s", msg.model, manifest.fingerprint.rank,
-                     configs.format_bytes(entry.nbytes), msg.seconds)
+        for m in models:
+            files = watch.identity(m.path)          # before a byte of its data is read
+            job = protocol.FillJob(m.name, m.spec(self.gpu).__dict__, self.device(), bandwidth)
+            for msg, fds in workers.get(self.cfg.python(m)).run(job):
+                if isinstance(msg, protocol.Progress):
+                    self.report_progress(msg, starting)
+                    continue
+                manifest = Manifest.from_dict(msg.manifest)
+                entry = Entry(m, manifest, fds, msg.seconds, files)
+                entry.names = fdstore.store(m.name, manifest, fds, entry.filled_at, files)
+                self.cache.add(entry)
+                log.info("cached %s rank %d: %s in %.1f s", m.name, manifest.fingerprint.rank,
+                         configs.format_bytes(entry.nbytes), msg.seconds)
 
     def report_progress(self, p: protocol.Progress, starting: bool) -> None:
         text = f"filling {p.model} rank {p.rank}: {p.done / 2**30:.2f} / {p.total / 2**30:.2f} GiB"
@@ -205,7 +207,7 @@ class Daemon:
         else:
             self.cache.set_pending(p.model, "filling", text)
 
-    def adopt(self) -> set[str]:
+    def adopt(self, workers: Workers) -> set[str]:
         """Re-adopt what systemd's fd store kept from a previous daemon process.
 
         A stored shard is kept only if the config still asks for exactly it (same fingerprint,
@@ -216,32 +218,26 @@ class Daemon:
         stored, problems = fdstore.adopt()
         for p in problems:
             log.warning("dropped %s", p)
-        keep = []
+        adopted = set()
         for st in stored:
             reason = self.adoptable(st)
             if reason:
-                self.drop(st, reason[0], reason[1])
-            else:
-                keep.append(st)
-        if not keep:
-            return set()
-        notify.status(f"verifying {len(keep)} model(s) kept by systemd's fd store")
-        jobs = [protocol.VerifyJob(st.model, st.manifest.to_dict(), st.fds, self.device()) for st in keep]
-        try:
-            bad = {msg.model: msg.bad for msg, _ in fill.run(jobs, self.worker_env(), self.stop,
-                                                            [fd for st in keep for fd in st.fds], starting=True)}
-        except FastStartError as e:
-            if self.stop.is_set():
-                raise
-            log.warning("could not verify the stored arenas (%s); filling from disk", e)
-            bad = {}
-        adopted = set()
-        for st in keep:
-            if st.model not in bad or bad[st.model]:
-                self.drop(st, f"checksums differ ({len(bad[st.model])} tensors)" if bad.get(st.model)
-                          else "it could not be verified", "checksum")
+                self.drop(st, *reason)
                 continue
-            entry = Entry(self.model(st.model), st.manifest, st.fds, 0.0, st.files, st.filled_at, st.names)
+            notify.status(f"verifying {st.model}, kept by systemd's fd store")
+            model = self.model(st.model)
+            try:
+                bad = [msg.bad for msg, _ in workers.get(self.cfg.python(model)).run(
+                    protocol.VerifyJob(st.model, st.manifest.to_dict(), {}), st.fds)][-1]
+            except FastStartError as e:
+                if self.stop.is_set():
+                    raise
+                self.drop(st, f"it could not be verified ({e.what})", "checksum")
+                continue
+            if bad:
+                self.drop(st, f"checksums differ ({len(bad)} tensors)", "checksum")
+                continue
+            entry = Entry(model, st.manifest, st.fds, 0.0, st.files, st.filled_at, st.names)
             self.cache.add(entry)
             adopted.add(st.model)
             log.info("re-adopted %s rank %d (%s, %d tensors) from systemd's fd store", st.model,
@@ -298,15 +294,17 @@ class Daemon:
         return sock
 
     def start(self) -> socket.socket:
-        """Steps 2-4: adopt, check, fill, bind. Returns the listening socket."""
-        for m in self.models:
-            self.watch.add(m.name, m.path)
-        adopted = self.adopt()
-        to_fill = [m for m in self.models if m.name not in adopted]
-        self.check_models(to_fill)
-        self.write_state("loading")
-        notify.status(f"filling {len(to_fill)} model(s), {len(adopted)} kept by systemd's fd store")
-        self.fill(to_fill, starting=True)
+        """Steps 2-5: workers, adopt, check, fill, bind. Returns the listening socket."""
+        with self.workers(starting=True) as workers:
+            self.cfg = self.resolve(self.cfg, workers)
+            for m in self.models:
+                self.watch.add(m.name, m.path)
+            adopted = self.adopt(workers)
+            to_fill = [m for m in self.models if m.name not in adopted]
+            self.check_models(to_fill, workers)
+            self.write_state("loading")
+            notify.status(f"filling {len(to_fill)} model(s), {len(adopted)} kept by systemd's fd store")
+            self.fill(to_fill, workers, starting=True)
         return self.bind()
 
     # -- serving -------------------------------------------------------------------------------
@@ -330,11 +328,11 @@ class Daemon:
                         _drain(wake)
                         if self.reload_asked.is_set():
                             self.reload_asked.clear()
-                            self.jobs.put(("reload", None))
+                            self.keeper.put("reload")
                     elif fd == self.watch.fd:
                         changed = self.watch.changed()
                         if changed:
-                            self.jobs.put(("check", changed))
+                            self.keeper.put("check", changed)
                     else:
                         self.cache.process_exited(fd)
                 except Exception:           # nothing an event does may stop the serving loop
@@ -359,125 +357,6 @@ class Daemon:
     def watch_process(self, pidfd: int) -> None:
         if self.epoll is not None:
             self.epoll.register(pidfd, select.EPOLLIN)
-
-    # -- keeping the cache fresh ---------------------------------------------------------------
-    def stale(self, name: str, why: str) -> None:
-        """`name`'s checkpoint changed under its cache: stop serving it, then refill it."""
-        if not self.cache.evict(name, "checkpoint changed", pending="stale"):
-            return
-        log.warning("%s: the checkpoint changed since the fill (%s); no longer served", name, why)
-        if self.cfg.daemon.refill_on_change:
-            self.jobs.put(("fill", name))
-        else:
-            self.cache.set_pending(name, "stale", f"{why}; refill_on_change is off: fast-start fill or a restart "
-                                                  "fills it")
-
-    def keep(self) -> None:
-        """The keeper thread: checks, refills and reloads, one at a time, off the serving loop."""
-        next_sweep = time.monotonic() + RECHECK_S
-        while not self.stop.is_set():
-            wake = min([next_sweep, *self.retry.values()])
-            try:
-                kind, arg = self.jobs.get(timeout=max(0.05, wake - time.monotonic()))
-            except queue.Empty:
-                kind, arg = None, None
-            try:
-                if kind == "check":
-                    for name in arg:
-                        self.check(name)
-                elif kind == "fill":
-                    self.retry[arg] = time.monotonic()
-                elif kind == "reload":
-                    self.reload()
-                for name in [n for n, t in self.retry.items() if t <= time.monotonic()]:
-                    del self.retry[name]
-                    self.refill(name)
-                if time.monotonic() >= next_sweep:
-                    for name in list(self.cache.entries):
-                        self.check(name)
-                    next_sweep = time.monotonic() + RECHECK_S
-            except Exception:
-                log.exception("the keeper failed on %s", kind)
-
-    def check(self, name: str) -> None:
-        """Compare `name`'s files with its fill's; a stale or failed model is looked at again."""
-        entry = self.cache.entries.get(name)
-        if entry is not None:
-            changed = watch.differs(entry.files, watch.identity(entry.model.path), gone_is_change=False)
-            if changed:
-                self.stale(name, changed)
-        elif self.cache.pending.get(name, {}).get("state") in ("stale", "failed") and self.cfg.daemon.refill_on_change:
-            self.retry.setdefault(name, time.monotonic())
-
-    def refill(self, name: str) -> None:
-        """Fill `name` in the background once its checkpoint has settled and is usable."""
-        model = self.model(name)
-        if model is None or name in self.cache.entries or self.stop.is_set():
-            return
-        files = watch.identity(model.path)
-        if self.seen.get(name) != files:            # still changing: wait until it stays put
-            self.seen[name] = files
-            self.cache.set_pending(name, "stale", "waiting for the checkpoint's files to settle")
-            self.retry[name] = time.monotonic() + SETTLE_S
-            return
-        try:
-            self.check_models([model])
-        except FastStartError as e:
-            self.cache.set_pending(name, "stale", f"waiting for a usable checkpoint: {e.what}")
-            self.retry[name] = time.monotonic() + RETRY_S
-            return
-        self.seen.pop(name, None)
-        self.cache.set_pending(name, "filling")
-        try:
-            self.fill([model])
-        except FastStartError as e:
-            log.error("refilling %s failed: %s", name, e)
-            self.cache.set_pending(name, "failed", str(e))
-            return
-        self.watch.add(name, model.path)
-        self.check(name)            # changed while it filled: stale again at once
-
-    def reload(self) -> None:
-        """SIGHUP: read the config again; add new models, drop removed or changed ones, keep the rest."""
-        notify.notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
-        try:
-            cfg = configs.load(self.cfg.path, check_paths=False)
-        except FastStartError as e:
-            log.error("reload failed, keeping the running config: %s", e)
-            notify.notify("READY=1\nSTATUS=ready (the last reload failed: see the log)")
-            return
-        new = {m.name: m for m in cfg.models_on(self.gpu)}
-        changed = {}
-        for name, entry in list(self.cache.entries.items()):
-            m = new.get(name)
-            try:
-                fields = entry.manifest.fingerprint.diff(fingerprint(m.spec(self.gpu))) if m else ()
-            except FastStartError as e:     # storage away: keep serving what was filled
-                log.warning("reload: cannot read %s's checkpoint (%s); keeping it", name, e.what)
-                continue
-            if m is None or fields:
-                changed[name] = fields
-        if (cfg.daemon.socket_dir, cfg.daemon.device) != (self.cfg.daemon.socket_dir, self.cfg.daemon.device):
-            log.warning("socket_dir and device changes take effect at the next restart")
-            cfg = replace(cfg, daemon=replace(cfg.daemon, socket_dir=self.cfg.daemon.socket_dir,
-                                              device=self.cfg.daemon.device))
-        self.cfg = cfg
-        self.server.policy = policy(cfg)
-        self.cache.on_release = cfg.daemon.on_release
-        with self.cache.lock:
-            self.cache.configured = tuple(new)
-            for name in [n for n in self.cache.pending if n not in new]:
-                del self.cache.pending[name]
-        for name, fields in changed.items():
-            self.cache.evict(name, "config change", pending="filling")
-            self.watch.remove(name)
-            log.info("reload: %s %s", name, f"changed its {', '.join(fields)}" if fields else "is no longer served")
-        for name, m in new.items():
-            self.watch.add(name, m.path)
-            if name not in self.cache.entries:
-                self.retry.setdefault(name, time.monotonic())
-        log.info("reloaded %s: %d model(s) for GPU %d", cfg.path, len(new), self.gpu)
-        notify.notify(f"READY=1\nSTATUS=ready: reloaded, {len(new)} model(s) configured")
 
     # -- whole life ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -512,8 +391,7 @@ class Daemon:
     def shutdown(self, listener: socket.socket | None) -> None:
         """Each step on its own: one that fails (a manager gone, a file removed) skips none of the rest."""
         self.stop.set()
-        if self.keeper.is_alive():
-            self.keeper.join(5)         # a refill in progress kills its worker within a second
+        self.keeper.join(5)             # a refill in progress kills its worker within a second
         steps = [lambda: notify.notify("STOPPING=1"),
                  lambda: socket_path(self.directory, self.gpu).unlink(missing_ok=True) if listener else None,
                  lambda: listener.close() if listener else None,
@@ -548,4 +426,5 @@ def run(config_path: str, gpu: int) -> int:
     cfg = configs.load(config_path)
     if not cfg.models_on(gpu):
         log.warning("%s lists no model for GPU %d; serving an empty cache", config_path, gpu)
+    log.info("fast-start %s daemon for GPU %d (%s)", __version__, gpu, sys.executable)
     return Daemon(cfg, gpu).run()

@@ -1,8 +1,9 @@
-"""The daemon's side of the fill worker: start the child, hand it typed jobs, relay its reports.
+"""The daemon's side of the fill worker: start it with the engine's interpreter, check that it
+speaks this protocol, hand it typed jobs one at a time, relay its reports.
 
 Jobs go to the child as frames over a socketpair, never on its command line: a manifest set
 re-verified after a restart runs to megabytes (a 128-expert MoE shard alone is ~4 MB of JSON),
-far past Linux's 128 KiB limit on one argument.
+far past Linux's 128 KiB limit on one argument. Arena fds ride on the frames.
 """
 from __future__ import annotations
 
@@ -15,16 +16,18 @@ import threading
 import time
 from collections.abc import Iterator
 
-from . import notify, protocol
+from . import __version__, notify, protocol
 from .errors import FastStartError
 
 EXTEND_USEC = 30_000_000   # each EXTEND_TIMEOUT_USEC promises the next message within 30 s
 STALL_S = 300              # a worker with no progress for this long is declared hung
-REPORTS = ("progress", "filled", "verified", "error")
+HELLO_S = 120              # an interpreter that has not introduced itself by then is not a worker
+REPORTS = ("progress", "checked", "filled", "verified", "error")
+FINAL = (protocol.Checked, protocol.Filled, protocol.Verified)
 
 
 class FillError(FastStartError):
-    """The fill worker failed or stalled."""
+    """The fill worker failed, stalled, or is not a worker of this protocol."""
 
 
 def worker_env(cpus_share: int) -> dict[str, str]:
@@ -34,58 +37,137 @@ def worker_env(cpus_share: int) -> dict[str, str]:
     and N pools spinning on the same cores made a fill 10x slower on two H200s (1565 small
     expert tensors: 10.6 s against 1.1 s). An OMP_NUM_THREADS set by the operator wins.
     """
-    env = dict(os.environ)
-    env.pop("LISTEN_FDS", None)
-    env.pop("LISTEN_FDNAMES", None)
-    env.pop("LISTEN_PID", None)
+    env = {k: v for k, v in os.environ.items() if k not in ("LISTEN_FDS", "LISTEN_FDNAMES", "LISTEN_PID")}
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // max(1, cpus_share)))
     return env
 
 
-def run(jobs: list, env: dict[str, str], stop: threading.Event, pass_fds: list[int] = (),
-        starting: bool = False) -> Iterator[tuple[object, list[int]]]:
-    """Run a worker child on `jobs`, yielding its reports (message, fds) until it is done.
+class Worker:
+    """One worker child (`python -m fast_start.worker`) of the interpreter `python`.
 
-    While `starting`, each second extends systemd's start timeout; a worker silent for
-    `STALL_S` is killed, as is one still running when `stop` is set.
+    Raises `FillError` with one line naming both interpreters and both versions when the child
+    does not speak this daemon's protocol. While `starting`, every second of a job extends
+    systemd's start timeout; a job silent for `STALL_S` kills the child, as does `stop`.
     """
-    ours, theirs = socket.socketpair()
-    proc = subprocess.Popen([sys.executable, "-m", "fast_start.worker", str(theirs.fileno())],
-                            pass_fds=[theirs.fileno(), *pass_fds], env=env)
-    theirs.close()
-    finished = False
-    try:
-        for job in jobs:
-            protocol.send(ours, job)
-        ours.shutdown(socket.SHUT_WR)
-        poll = select.poll()
-        poll.register(ours, select.POLLIN)
-        last_progress = time.monotonic()
-        while True:
-            if stop.is_set():
+
+    def __init__(self, python: str, env: dict[str, str], stop: threading.Event, starting: bool = False):
+        self.python, self.stop, self.starting = python, stop, starting
+        self.sock, theirs = socket.socketpair()
+        try:
+            # cwd "/": `python -m` puts the working directory first on sys.path, and the worker must
+            # import its own environment's fast_start, not one that happens to lie where we run.
+            self.proc = subprocess.Popen([python, "-m", "fast_start.worker", str(theirs.fileno())], cwd="/",
+                                         pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        except OSError as e:
+            self.sock.close()
+            raise FillError(f"cannot start the fill worker {python}: {e.strerror or e}",
+                            "set worker_python (or the model's python) to an interpreter with fast-start") from None
+        finally:
+            theirs.close()
+        self.poll = select.poll()
+        self.poll.register(self.sock, select.POLLIN)
+        try:
+            self.hello = self._hello()
+        except BaseException:
+            self.close()
+            raise
+
+    def _hello(self) -> protocol.WorkerHello:
+        ours = f"this daemon ({sys.executable}) runs fast-start {__version__}, protocol {protocol.VERSION}"
+        fix = f"install fast-start {__version__} into {self.python}'s environment"
+        why = None
+        if not self._wait(HELLO_S):
+            why = f"said nothing in {HELLO_S} s"
+        else:
+            try:
+                msg, _ = protocol.recv(self.sock, allowed=("worker_hello",))
+            except (protocol.ProtocolError, OSError) as e:
+                msg, why = None, f"sent no hello ({e})"
+            if msg is None and why is None:
+                why = f"exited with code {self.proc.wait()}"
+            if msg is not None and msg.protocol != protocol.VERSION:
+                raise FillError(f"the fill worker {self.python} runs fast-start {msg.version}, protocol {msg.protocol}; "
+                                + ours, fix)
+            if msg is not None:
+                return msg
+        raise FillError(f"the fill worker {self.python} did not answer as fast-start ({why}); " + ours, fix)
+
+    def _wait(self, seconds: float) -> bool:
+        """Wait up to `seconds` for a frame, extending systemd's start timeout meanwhile."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.stop.is_set():
                 raise FillError("stopped during the fill", "start the daemon again")
-            if starting:
+            if self.starting:
                 notify.notify(f"EXTEND_TIMEOUT_USEC={EXTEND_USEC}")
-            if not poll.poll(1000):
-                if time.monotonic() - last_progress > STALL_S:
+            if self.poll.poll(1000):
+                return True
+        return False
+
+    def run(self, job, fds: list[int] = ()) -> Iterator[tuple[object, list[int]]]:
+        """Send `job` (with `fds`), yield its reports up to and including the final one."""
+        try:
+            protocol.send(self.sock, job, fds)
+            while True:
+                if not self._wait(STALL_S):
                     raise FillError(f"the fill made no progress for {STALL_S} s", "check the model's storage")
-                continue
-            msg, fds = protocol.recv(ours, allowed=REPORTS)
-            last_progress = time.monotonic()
-            if msg is None:
-                code = proc.wait()
-                if code:
-                    raise FillError(f"the fill worker exited with code {code}", "see the traceback in the log")
-                finished = True
-                return
-            if isinstance(msg, protocol.Error):
-                raise FillError(msg.what, msg.fix)
-            yield msg, fds
-    except OSError as e:
-        raise FillError(f"lost the fill worker: {e}", "see the daemon's log") from None
-    finally:
-        ours.close()
-        if not finished and proc.poll() is None:
-            proc.kill()
-        proc.wait()
+                msg, got = protocol.recv(self.sock, allowed=REPORTS)
+                if msg is None:
+                    raise FillError(f"the fill worker exited with code {self.proc.wait()}",
+                                    "see the traceback in the log")
+                if isinstance(msg, protocol.Error):
+                    raise FillError(msg.what, msg.fix)
+                yield msg, got
+                if isinstance(msg, FINAL):
+                    return
+        except OSError as e:
+            raise FillError(f"lost the fill worker: {e}", "see the daemon's log") from None
+
+    def close(self) -> None:
+        """End the session: the child sees the end of its stream and exits; a stuck one is killed."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        self.sock.close()
+        if self.stop.is_set():
+            self.proc.kill()          # mid-fill it would not look at its socket before it is done
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Workers:
+    """Fill workers by interpreter, each started on first use and again if it died."""
+
+    def __init__(self, env: dict[str, str], stop: threading.Event, starting: bool = False):
+        self.env, self.stop, self.starting = env, stop, starting
+        self.sessions: dict[str, Worker] = {}
+
+    def get(self, python: str) -> Worker:
+        w = self.sessions.get(python)
+        if w is None or w.proc.poll() is not None:
+            if w is not None:
+                w.close()
+            w = self.sessions[python] = Worker(python, self.env, self.stop, self.starting)
+        return w
+
+    def close(self) -> None:
+        for w in self.sessions.values():
+            w.close()
+        self.sessions.clear()
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,9 +1,10 @@
 """The fingerprint that guards the cache: any differing field means a miss.
 
 `checkpoint` hashes every shard's raw safetensors header (file names sorted, the folder's path
-left out, so the same model copied elsewhere matches). Headers carry every tensor's name,
-dtype, shape and byte range; a checkpoint whose data changed without its header changing is
-caught by `verify --deep`, not here. The GPU is matched separately, by UUID.
+left out). Headers carry every tensor's name, dtype, shape and byte range; a checkpoint whose
+data changed without its header changing is caught by the file identities the daemon compares
+at every acquire (`watch.py`), not here. The GPU is matched separately, by UUID. Read without
+torch: the daemon and the CLI compute fingerprints.
 """
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from . import quant
+from typing import TYPE_CHECKING
 
-from .checkpoint import Checkpoint, raw_header, read_config, shard_files
+from . import quant
+from .headers import raw_header, read_config, shard_files
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
 
 # Bump when the bytes fast-start produces for the same inputs change (rules, packing, formats).
 LAYOUT_VERSION = 1
@@ -77,7 +82,7 @@ def checkpoint_hash(headers: dict[str, bytes]) -> str:
     return h.hexdigest()
 
 
-def fingerprint(spec: WeightSpec, ckpt: Checkpoint | None = None) -> Fingerprint:
+def fingerprint(spec: WeightSpec, ckpt: "Checkpoint | None" = None) -> Fingerprint:
     """The fingerprint of `spec`'s weights.
 
     Without `ckpt` only config.json and the raw headers are read, not validated: that is all a

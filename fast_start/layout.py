@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .checkpoint import ModelDims
+from .headers import ModelDims
 from .shard import padded
 
 # vLLM's DEFAULT_VOCAB_PADDING_SIZE: vocab-parallel tensors hold a multiple of 64 rows in all.

@@ -17,11 +17,12 @@ from dataclasses import replace
 import torch
 
 from . import arena as arenas
-from . import layout, quant, shard, staging
+from . import dtypes, fp8, layout, quant, shard, staging
 from .checkpoint import Checkpoint, open_checkpoint, tensor_reader
 from .errors import QuantizationError
 from .fingerprint import LAYOUTS, Fingerprint, WeightSpec, fingerprint
-from .manifest import ArenaEntry, Manifest, checksum, pack
+from .arena import checksum
+from .manifest import ArenaEntry, Manifest, pack
 
 Reader = Callable[[str, "shard.Cut | None"], torch.Tensor]
 
@@ -46,7 +47,7 @@ def _rank_tensors(ckpt: Checkpoint, read: Reader, method: quant.Method, dtype: t
             t = to_device(read(name, None))
             yield name, shard.shard(name, t, tp, ckpt.tensors[scale.group(1)].shape)
         elif method.quantize and quant.is_quantized(name):
-            q, s = method.apply(to_device(read(name, None)))
+            q, s = fp8.quantize(method, to_device(read(name, None)))
             yield name, shard.shard(name, q, tp)
             yield name + method.scale_suffix, shard.shard(name + method.scale_suffix, s, tp, info.shape)
         else:
@@ -56,7 +57,7 @@ def _rank_tensors(ckpt: Checkpoint, read: Reader, method: quant.Method, dtype: t
 
 def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # FP8 weights and activation scales of a pre-quantized checkpoint keep their stored dtype.
-    if not t.is_floating_point() or t.dtype == quant.FP8 or name.endswith("input_scale"):
+    if not t.is_floating_point() or t.dtype == fp8.FP8 or name.endswith("input_scale"):
         return t
     return t.to(dtype)
 
@@ -70,16 +71,16 @@ def check_spec(ckpt: Checkpoint, spec: WeightSpec):
     if spec.layout == "vllm" and method.name != "none":
         raise QuantizationError(f"layout \"vllm\" caches unquantized weights only, not {method.name!r}",
                                 "use quantization = \"none\" with layout = \"vllm\", or layout = \"hf\"")
-    dtype = quant.dtype(spec.dtype)
+    dtype = dtypes.torch_dtype(quant.check_dtype(spec.dtype))
     tp = shard.check_tp(ckpt.dims, spec.tensor_parallel_size, spec.rank, layout.vocab_padding(spec.layout))
-    fp8 = [n for n, i in ckpt.tensors.items() if i.dtype == quant.FP8]
-    if method.prequantized and not fp8:
+    quantized = [n for n, i in ckpt.tensors.items() if i.dtype == fp8.FP8]
+    if method.prequantized and not quantized:
         raise QuantizationError(f"{ckpt.folder} holds no FP8 weights, so {method.name!r} has nothing to pass through",
                                 "use quantization = \"fp8\" to quantize while loading, or \"none\"")
-    if not method.prequantized and fp8:
-        raise QuantizationError(f"{ckpt.folder} is already FP8 ({fp8[0]!r}); {method.name!r} would re-quantize it",
+    if not method.prequantized and quantized:
+        raise QuantizationError(f"{ckpt.folder} is already FP8 ({quantized[0]!r}); {method.name!r} would re-quantize it",
                                 "use quantization = \"fp8-checkpoint\"")
-    for n in fp8:
+    for n in quantized:
         if n + "_scale" not in ckpt.tensors and n + "_scale_inv" not in ckpt.tensors:
             raise QuantizationError(f"FP8 tensor {n!r} in {ckpt.folder / ckpt.tensors[n].file} has no scale",
                                     f"the checkpoint needs {n}_scale or {n}_scale_inv next to it")
@@ -96,13 +97,13 @@ def aliases(ckpt: Checkpoint, spec: WeightSpec) -> dict[str, str]:
     return {}
 
 
-def plan(ckpt: Checkpoint, spec: WeightSpec) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+def plan(ckpt: Checkpoint, spec: WeightSpec) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, shape) of every output, computed on `meta` from the headers alone."""
     def read(name: str, cut: shard.Cut | None) -> torch.Tensor:
         info = ckpt.tensors[name]
         t = torch.empty(info.shape, dtype=info.dtype, device="meta")
         return t if cut is None else t.narrow(cut.dim, cut.start, cut.length)
-    return [(n, t.dtype, tuple(t.shape)) for n, t in derive(ckpt, spec, read, "meta")]
+    return [(n, dtypes.name_of(t.dtype), tuple(t.shape)) for n, t in derive(ckpt, spec, read, "meta")]
 
 
 def load_from_disk(spec: WeightSpec, device: str | torch.device = "cpu",

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 
 from .errors import FastStartError
 
-VERSION = 2
+VERSION = 2                    # of every frame below; a worker of another version is refused
 MAX_REQUEST = 1 << 20          # what the daemon reads from a client
 MAX_REPLY = 256 << 20          # manifests of large MoE models run to megabytes
 MAX_FDS = 253                  # the kernel's limit per message (SCM_MAX_FD)
@@ -139,6 +139,30 @@ class Filled:                     # worker -> daemon, with the arena fds
 
 
 @dataclass(frozen=True)
+class WorkerHello:                # worker -> daemon, its first frame: keep these fields in every version
+    protocol: int
+    version: str                  # fast_start.__version__ of the worker's environment
+    python: str                   # sys.executable
+    prefix: str                   # sys.prefix: which environment
+    engines: dict                 # engine name -> version found there (e.g. {"vllm": "0.32.0"})
+    kind: str = "worker_hello"
+
+
+@dataclass(frozen=True)
+class CheckJob:                   # daemon -> worker: validate a model's headers, size its arenas
+    model: str
+    spec: dict                    # WeightSpec fields
+    kind: str = "check_job"
+
+
+@dataclass(frozen=True)
+class Checked:                    # worker -> daemon
+    model: str
+    bytes: int                    # what its arenas will take
+    kind: str = "checked"
+
+
+@dataclass(frozen=True)
 class FillJob:                    # daemon -> worker: materialize one model shard
     model: str
     spec: dict                    # WeightSpec fields
@@ -148,11 +172,10 @@ class FillJob:                    # daemon -> worker: materialize one model shar
 
 
 @dataclass(frozen=True)
-class VerifyJob:                  # daemon -> worker: checksum arenas re-adopted from the fd store
+class VerifyJob:                  # daemon or CLI -> worker, with the arena fds: checksum a shard's arenas
     model: str
     manifest: dict
-    fds: list                     # the arena fd numbers the worker inherited
-    device: str
+    spec: dict                    # {} to check the arenas only; WeightSpec fields to also derive from disk
     kind: str = "verify_job"
 
 
@@ -165,7 +188,8 @@ class Verified:                   # worker -> daemon
 
 KINDS = {c.__dataclass_fields__["kind"].default: c for c in (
     Hello, Status, Fingerprints, Acquire, Release, Evict, Evictions, Welcome, Report, Acquired, Miss, Error,
-    Progress, Filled, FillJob, VerifyJob, Verified)}
+    Progress, Filled, WorkerHello, CheckJob, Checked, FillJob, VerifyJob, Verified)}
+JOBS = ("check_job", "fill_job", "verify_job")
 REQUESTS = ("hello", "status", "fingerprints", "acquire", "release", "evict", "evictions")
 _TYPES = {"int": int, "str": str, "dict": dict, "list": list, "float": (int, float)}
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from . import protocol, trust
 from .cache import Cache
+from .config import DaemonConfig
 
 log = logging.getLogger("fast_start.daemon")
 IDLE_S = 10.0
@@ -35,6 +36,10 @@ class Policy:
     allowed_uids: frozenset[int] = frozenset()
     allowed_gids: frozenset[int] = frozenset()
     admin_gids: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, daemon: DaemonConfig) -> "Policy":
+        return cls(frozenset(daemon.allowed_uids), daemon.gids("allowed_groups"), daemon.gids("admin_groups"))
 
     def role(self, peer: trust.Peer) -> trust.Peer | None:
         """`peer` with its role set, or None when it may not connect at all."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import ModelDims
+from .headers import ModelDims
 from .errors import ShardError
 from .quant import BLOCK
 

@@ -11,7 +11,7 @@ import torch
 
 from .client import fetch, load_into
 from .fingerprint import WeightSpec
-from .quant import DTYPES
+from .dtypes import torch_dtype
 
 
 def load(path: str, spec: WeightSpec | None = None, device: str | torch.device = "cpu", mode: str = "zero_copy",
@@ -22,7 +22,7 @@ def load(path: str, spec: WeightSpec | None = None, device: str | torch.device =
     spec = spec or WeightSpec(str(path))
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[spec.dtype])
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(spec.dtype))
     weights = fetch(spec, device=device, mode=mode, fallback=fallback, socket_dir=socket_dir)
     load_into(model, weights)
     _recompute_buffers(model, torch.device(device))

@@ -36,7 +36,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from .client import MODES, Weights, cached_bytes, fetch, fit_error
 from .errors import CacheMiss, FastStartError
 from .fingerprint import WeightSpec
-from .quant import DTYPES
+from .dtypes import MODEL, torch_dtype
 
 # Under "vllm" so that vLLM's log handler prints our lines with its own.
 log = logging.getLogger("vllm.fast_start")
@@ -148,9 +148,9 @@ def weight_spec(model_config, vllm_config) -> WeightSpec:
     if model_config.quantization:
         raise CacheMiss(f"vLLM quantization {model_config.quantization!r} is not cached by layout \"vllm\"",
                         "run the model unquantized, or without --load-format fast_start")
-    dtype = next((name for name, d in DTYPES.items() if d == model_config.dtype), None)
+    dtype = next((name for name in MODEL if torch_dtype(name) == model_config.dtype), None)
     if dtype is None:
-        raise CacheMiss(f"dtype {model_config.dtype} is not cached", f"use one of {', '.join(DTYPES)}")
+        raise CacheMiss(f"dtype {model_config.dtype} is not cached", f"use one of {', '.join(MODEL)}")
     return WeightSpec(_local_folder(model_config), parallel.tensor_parallel_size, get_tensor_model_parallel_rank(),
                       dtype, "none", "vllm", model_config.revision or "main", vllm.__version__)
 

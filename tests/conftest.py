@@ -26,6 +26,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def private_socket_dir(tmp_path, monkeypatch):
+    """No test sees the host's daemons: without a socket_dir, fetch and the CLI look here."""
+    monkeypatch.setenv("FAST_START_SOCKET_DIR", str(tmp_path / "no-daemons-here"))
+
+
 @pytest.fixture(scope="session")
 def llama(tmp_path_factory):
     """Llama-shaped, three shards with an index, untied embeddings."""
@@ -57,8 +63,8 @@ def daemons(tmp_path):
     from devtools.harness import Daemon
     started = []
 
-    def start(config, gpu=0, env=None, wait=True, listen=None, nofile=None):
-        d = Daemon(tmp_path, config, gpu, env, listen=listen, nofile=nofile)
+    def start(config, gpu=0, env=None, wait=True, listen=None, rlimits=None):
+        d = Daemon(tmp_path, config, gpu, env, listen=listen, rlimits=rlimits)
         started.append(d)
         return d.wait_ready() if wait else d
     yield start

@@ -74,8 +74,9 @@ class Container:
 
     def run(self, *cmd: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
         """Run a command inside the container (all namespaces) and return its result."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FAST_START_")}   # the container's own
         p = subprocess.run(["nsenter", "-t", str(self.pid), "-a", *cmd], capture_output=True, text=True,
-                           timeout=timeout)
+                           timeout=timeout, env=env)
         if check and p.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} -> {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
         return p

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 from fast_start import protocol
-from fast_start.client import connect, request
+from fast_start.transport import connect, request
 
 
 def ask(d, msg) -> dict:

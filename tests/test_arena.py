@@ -122,7 +122,7 @@ def test_manifest_pointing_outside_its_arena_is_rejected(small):
 
 
 def test_checksum_catches_a_flipped_bit_and_ignores_alignment():
-    from fast_start.manifest import checksum
+    from fast_start.arena import checksum
     t = torch.randn(10_001).to(torch.bfloat16)
     flipped = t.clone()
     flipped.view(torch.uint8)[5000] ^= 1

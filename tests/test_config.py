@@ -20,7 +20,7 @@ def test_example_config_validates(small, tmp_path):
     f = tmp_path / "fast-start.toml"
     f.write_text(example_with(small))
     cfg = configs.load(f)
-    assert cfg.daemon.device == "cuda" and cfg.models[0].quantization == "fp8"
+    assert cfg.daemon.device == "cuda" and cfg.models[0].layout == "vllm" and cfg.models[0].engine_version == "auto"
     assert cfg.models[0].spec(1).rank == 1 and cfg.models_on(0) == cfg.models and cfg.models_on(2) == ()
 
 
@@ -30,8 +30,11 @@ def test_example_config_validates(small, tmp_path):
     (("tensor_parallel_size = 2", 'tensor_parallel_size = "2"'), "key 'tensor_parallel_size' is '2', not an integer"),
     (("gpus = [0, 1]", "gpus = [0, 0]"), "key 'gpus' [0, 0] lists a GPU twice"),
     (("rank_offset = 0", "rank_offset = 1"), "key 'rank_offset' 1 with 2 GPUs serves ranks beyond 1"),
-    (('quantization = "fp8"', 'quantization = "int3"'), "key 'quantization' is 'int3'"),
-    (('quantization = "fp8"', 'quantization = "nvfp4-checkpoint"'), "'nvfp4-checkpoint' is not verified for sharing"),
+    (('quantization = "none"', 'quantization = "int3"'), "key 'quantization' is 'int3'"),
+    (('quantization = "none"', 'quantization = "nvfp4-checkpoint"'), "'nvfp4-checkpoint' is not verified for sharing"),
+    (('layout = "vllm"', 'layout = "hf"'), "key 'engine_version' is \"auto\", which only a vLLM model"),
+    (('# worker_python = "/opt', 'worker_python = "opt'), "key 'worker_python' is 'opt"),
+    (('# python = "/opt', 'python = "opt'), "key 'python' is 'opt"),
     (('device = "cuda"', 'device = "tpu"'), "key 'device' is 'tpu'"),
     (('on_release = "keep"', 'on_release = "host"'), "the host-memory tier is not built yet"),
     (('memory_budget = "95%"', 'memory_budget = "lots"'), "key 'memory_budget' is 'lots'"),

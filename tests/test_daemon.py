@@ -13,11 +13,11 @@ import time
 import pytest
 import torch
 
-from probe import evictions, status
+from probe import evictions, status, wait_until
 
 import fast_start
 from fast_start import protocol
-from fast_start.client import connect, request
+from fast_start.transport import connect, request
 from fast_start.errors import CacheMiss
 from devtools.harness import write_config
 
@@ -115,7 +115,7 @@ def test_copy_mode_releases_and_drop_evicts(tmp_path, small, daemons):
 
 HOLDER = textwrap.dedent("""
     import sys, time, torch, fast_start
-    from fast_start.manifest import checksum
+    from fast_start.arena import checksum
     spec = fast_start.WeightSpec(sys.argv[1], engine_version="test")
     w = fast_start.fetch(spec, socket_dir=sys.argv[2], fallback=False)
     before = {n: checksum(t) for n, t in w.items()}
@@ -148,7 +148,7 @@ def test_evicting_a_mapped_model_leaves_the_engine_tensors_valid(tmp_path, small
 KILLED = textwrap.dedent("""
     import os, signal, socket, sys
     from fast_start import protocol
-    from fast_start.client import connect, request
+    from fast_start.transport import connect, request
     from fast_start.fingerprint import WeightSpec, fingerprint
     from fast_start.checkpoint import open_checkpoint
     from fast_start.watch import identity
@@ -176,7 +176,7 @@ def test_client_killed_mid_acquire_leaves_no_lease(tmp_path, small, daemons):
 
 ENGINE = textwrap.dedent("""
     import sys, fast_start
-    from fast_start.manifest import checksum
+    from fast_start.arena import checksum
     w = fast_start.fetch(fast_start.WeightSpec(sys.argv[1], engine_version="test"), socket_dir=sys.argv[2],
                          fallback=False)
     print(w.source, checksum(w["model.layers.0.mlp.down_proj.weight"]))
@@ -248,8 +248,9 @@ def test_sigterm_sends_stopping_and_removes_the_socket(tmp_path, small, daemons)
 def test_watchdog_pings_at_half_the_interval(tmp_path, small, daemons):
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
     d = daemons(cfg, env={"WATCHDOG_USEC": "1000000"})
-    time.sleep(2.2)
-    assert len(d.listener.texts("WATCHDOG=1")) >= 3
+    wait_until(lambda: len(d.listener.texts("WATCHDOG=1")) >= 4, 10, "four pings")
+    pings = [t for t, m, _ in d.listener.messages if m == "WATCHDOG=1"]
+    assert all(0.4 < b - a < 0.8 for a, b in zip(pings[1:], pings[2:]))
 
 
 def test_bad_config_fails_fast_without_reading_a_checkpoint(tmp_path, small, daemons):
@@ -272,6 +273,6 @@ def test_fill_workers_share_the_cpus_between_the_hosts_daemons(tmp_path, small, 
         {"name": "a", "path": str(small), "gpus": [0, 1], "tensor_parallel_size": 2},
         {"name": "b", "path": str(small), "gpus": [2, 3], "tensor_parallel_size": 2}]))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert Daemon(cfg, 0).worker_env()["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 4))
+    assert Daemon(cfg, 0).workers().env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 4))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")          # the operator's choice wins
-    assert Daemon(cfg, 0).worker_env()["OMP_NUM_THREADS"] == "3"
+    assert Daemon(cfg, 0).workers().env["OMP_NUM_THREADS"] == "3"

@@ -60,7 +60,7 @@ def test_changed_config_drops_the_stored_arena_and_refills(tmp_path, llama, daem
 
 def test_eviction_removes_the_model_from_the_store(tmp_path, llama, daemons):
     from fast_start import protocol
-    from fast_start.client import connect, request
+    from fast_start.transport import connect, request
     d = daemons(write_config(tmp_path / "fs.toml", tmp_path / "run", [model(llama)]))
     assert len(d.listener.store) == 2
     with connect(d.socket, 5) as conn:

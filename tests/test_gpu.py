@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -92,7 +91,6 @@ def test_copy_then_daemon_killed_leaves_engine_tensors_valid(tmp_path, llama, da
     assert w.source == "cache"
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait(30)
-    time.sleep(1)
     disk = fast_start.fetch(spec, device="cuda:0", socket_dir=str(tmp_path / "none"))
     for name in disk:
         assert torch.equal(raw(w[name]), raw(disk[name])), name

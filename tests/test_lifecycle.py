@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -33,8 +34,9 @@ def test_a_second_daemon_for_the_same_gpu_fails_at_once_naming_the_first(tmp_pat
     state = (tmp_path / "run" / "gpu0.state").read_text()
     second = daemons(cfg, wait=False)
     assert second.proc.wait(30) == 1
-    lines = second.log.read_text().strip().splitlines()
-    assert lines == [f"error: GPU 0's daemon already runs (pid {first.proc.pid}, lock {tmp_path}/run/gpu0.lock) "
+    log = second.log.read_text()
+    assert "Traceback" not in log
+    assert [line for line in log.splitlines() if line.startswith("error")] == [f"error: GPU 0's daemon already runs (pid {first.proc.pid}, lock {tmp_path}/run/gpu0.lock) "
                      "(fix: stop it first (systemctl stop fast-start@0), or serve another GPU)"]
     assert (tmp_path / "run" / "gpu0.state").read_text() == state and first.socket.is_socket()
     assert status(first)["state"] == "ready"
@@ -117,3 +119,16 @@ def test_an_unknown_group_is_a_config_error_naming_the_key(tmp_path, small):
     assert p.stderr.strip().splitlines()[-1] == (
         f"error: {cfg}: [daemon] key 'allowed_groups' names group 'no-such-group', which does not exist on this "
         "host (fix: create it (groupadd no-such-group) or remove it from allowed_groups)")
+
+
+def test_a_memory_limit_the_worker_cannot_live_with_fails_the_start_in_one_line(tmp_path, small, daemons):
+    # Enough for the daemon (no torch), too little for a worker to map torch's libraries.
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
+    d = daemons(cfg, wait=False, rlimits={resource.RLIMIT_AS: 600 * 2**20})
+    assert d.proc.wait(120) == 1
+    log = d.log.read_text()
+    errors = [line for line in log.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "cannot load torch" in errors[0] and "LimitAS=" in errors[0], log
+    assert "Traceback" not in log
+    r = runner.invoke(app, ["status", "--config", str(cfg), "--json"])
+    assert r.exit_code == 1 and json.loads(r.stdout)[0]["state"] == "failed"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import array
 import fcntl
 import os
+import resource
 import socket
 import struct
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 import fast_start
 from fast_start import protocol
 from fast_start.checkpoint import open_checkpoint
-from fast_start.client import connect, request
+from fast_start.transport import connect, request
 from fast_start.fingerprint import WeightSpec, fingerprint
 from devtools.harness import write_config
 from fast_start.serve import FRAME_S, IDLE_S, MAX_CONNECTIONS_PER_UID
@@ -33,7 +34,7 @@ NOFILE = 1024
 def start(tmp_path, small, daemons, **daemon):
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run",
                        [{"name": "small", "path": str(small), "gpus": [0], "engine_version": "test"}], **daemon)
-    return daemons(cfg, nofile=NOFILE)
+    return daemons(cfg, rlimits={resource.RLIMIT_NOFILE: NOFILE})
 
 
 def open_fds(pid: int) -> int:
@@ -105,7 +106,7 @@ def test_a_process_holds_at_most_64_unreleased_leases(tmp_path, small, daemons):
 HOLDERS = textwrap.dedent("""
     import os, sys
     from fast_start import protocol
-    from fast_start.client import connect, request
+    from fast_start.transport import connect, request
     from fast_start.checkpoint import open_checkpoint
     from fast_start.fingerprint import WeightSpec, fingerprint
     from fast_start.watch import identity
@@ -216,7 +217,7 @@ def test_slow_and_silent_connections_are_cut_off(tmp_path, small, daemons):
 AS_NOBODY = textwrap.dedent("""
     import os, sys
     from fast_start import protocol
-    from fast_start.client import connect, request
+    from fast_start.transport import connect, request
     os.setgroups([]); os.setgid(65534); os.setuid(65534)
     with connect(sys.argv[1], 5) as conn:
         print(request(conn, protocol.Hello(protocol.VERSION)).kind)
@@ -226,7 +227,7 @@ AS_NOBODY = textwrap.dedent("""
 def test_one_user_holds_at_most_64_connections_and_others_still_get_in(tmp_path, small, daemons, open_dir):
     cfg = write_config(tmp_path / "fs.toml", open_dir / "run", [{"name": "small", "path": str(small), "gpus": [0],
                                                                  "engine_version": "test"}], allowed_uids=[65534])
-    d = daemons(cfg, nofile=NOFILE)
+    d = daemons(cfg, rlimits={resource.RLIMIT_NOFILE: NOFILE})
     held = []
     for _ in range(MAX_CONNECTIONS_PER_UID):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -8,13 +8,13 @@ import torch
 from safetensors.torch import load_file
 
 import fast_start
-from fast_start import quant
+from fast_start import fp8
 from fast_start.client import from_arenas
 from fast_start.materialize import materialize
 
 METHODS = ["none", "fp8", "fp8-channel", "fp8-block"]
 TP_RANKS = [(tp, r) for tp in (1, 2, 4) for r in range(tp)]
-QUANTIZERS = {"fp8": quant.to_fp8, "fp8-channel": quant.to_fp8_channel, "fp8-block": quant.to_fp8_block}
+QUANTIZERS = {"fp8": fp8.to_fp8, "fp8-channel": fp8.to_fp8_channel, "fp8-block": fp8.to_fp8_block}
 
 
 def full_tensors(folder) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@ import torch
 
 import fast_start
 from devtools import synth
-from fast_start import quant, shard
+from fast_start import fp8, quant, shard
 from fast_start.checkpoint import open_checkpoint
 from fast_start.errors import QuantizationError, ShardError
 from fast_start.materialize import materialize
@@ -15,13 +15,13 @@ from fast_start.client import from_arenas
 W = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("fn,scale_shape", [(quant.to_fp8, ()), (quant.to_fp8_channel, (300, 1)),
-                                            (quant.to_fp8_block, (3, 2))])
+@pytest.mark.parametrize("fn,scale_shape", [(fp8.to_fp8, ()), (fp8.to_fp8_channel, (300, 1)),
+                                            (fp8.to_fp8_block, (3, 2))])
 def test_fp8_methods_dequantize_close_to_input(fn, scale_shape):
     q, s = fn(W)
     assert q.dtype == torch.float8_e4m3fn and q.shape == W.shape and s.dtype == torch.float32
     assert tuple(s.shape) == scale_shape
-    if fn is quant.to_fp8_block:
+    if fn is fp8.to_fp8_block:
         s = s.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
     deq = q.float() * s
     assert torch.isfinite(deq).all()
@@ -29,17 +29,17 @@ def test_fp8_methods_dequantize_close_to_input(fn, scale_shape):
 
 
 def test_fp8_saturates_instead_of_producing_nan():
-    q = quant._saturate(torch.tensor([1e6, -1e6, 3.0]))
+    q = fp8._saturate(torch.tensor([1e6, -1e6, 3.0]))
     assert q.float().tolist() == [448.0, -448.0, 3.0]
 
 
 def test_all_zero_tensor_gets_a_finite_scale():
-    q, s = quant.to_fp8(torch.zeros(4, 4))
+    q, s = fp8.to_fp8(torch.zeros(4, 4))
     assert torch.isfinite(s) and (q.float() == 0).all()
 
 
 def test_quantization_is_deterministic():
-    a, b = quant.to_fp8_block(W), quant.to_fp8_block(W.clone())
+    a, b = fp8.to_fp8_block(W), fp8.to_fp8_block(W.clone())
     assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
 
 

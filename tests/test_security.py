@@ -24,9 +24,9 @@ USERS = grp.getgrnam("users").gr_gid
 # Runs a snippet as nobody (with the given supplementary groups); prints what it prints.
 AS_NOBODY = textwrap.dedent("""
     import json, os, select, socket, sys
-    import fast_start
+    import fast_start, fast_start.client       # import all before the interpreter's own folder is out of reach
     from fast_start import protocol
-    from fast_start.client import connect, request
+    from fast_start.transport import connect, request
     os.setgroups(json.loads(sys.argv[2])); os.setgid(65534); os.setuid(65534)
     sock, what = sys.argv[1], sys.argv[3]
     try:

@@ -18,7 +18,7 @@ import pytest
 import fast_start
 from container import Container, available
 from devtools import synth
-from fast_start.manifest import checksum
+from fast_start.arena import checksum
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "packaging" / "systemd" / "fast-start@.service"
@@ -27,7 +27,7 @@ FAST_START = str(VENV_BIN / "fast-start")
 # Prints where the weights came from and every tensor's checksum (or the error).
 ENGINE = """
 import json, sys, fast_start
-from fast_start.manifest import checksum
+from fast_start.arena import checksum
 path, tp, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 try:
     w = fast_start.fetch(fast_start.WeightSpec(path, tensor_parallel_size=tp, rank=rank, engine_version="test"),
@@ -41,7 +41,7 @@ else:
 MANIFEST_SIZE = """
 import json, sys
 from fast_start import protocol
-from fast_start.client import connect, request
+from fast_start.transport import connect, request
 from fast_start.fingerprint import WeightSpec, fingerprint
 from fast_start.watch import identity
 with connect("/run/fast-start/gpu0.sock", 10) as conn:
@@ -187,14 +187,14 @@ def journal(c, unit) -> str:
     return c.run("journalctl", "-u", unit, "--no-pager", "-o", "cat").stdout
 
 
-def journal_since(c, unit, since: str) -> str:
-    return c.run("journalctl", "-u", unit, "--since", since, "--no-pager", "-o", "cat").stdout
+def journal_since(c, unit, cursor: str) -> str:
+    return c.run("journalctl", "-u", unit, f"--after-cursor={cursor}", "--no-pager", "-o", "cat").stdout
 
 
 def now(c) -> str:
-    stamp = c.run("date", "+%Y-%m-%d %H:%M:%S").stdout.strip()
-    time.sleep(1)           # journal --since has one-second resolution
-    return stamp
+    """The journal's cursor now: what `journal_since` reads after."""
+    out = c.run("journalctl", "-n", "1", "--show-cursor", "--no-pager").stdout
+    return out.strip().rsplit("-- cursor: ", 1)[1]
 
 
 def status(c) -> dict:

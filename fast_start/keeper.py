@@ -1,0 +1,170 @@
+"""The keeper: a daemon thread that keeps the cache in line with the checkpoints and the config.
+
+Off the serving loop, one thing at a time: it compares a model's files with its fill's when the
+inotify watch reports a change (and every `RECHECK_S`), drops a model whose checkpoint changed,
+refills it once the files have stayed the same for `SETTLE_S` and the checkpoint is usable, and
+applies a reloaded config (SIGHUP): new models filled, removed or changed ones dropped, the rest
+kept. Fills run in worker children like the start-up's; the new arena is served the moment it is
+complete, and engines that mapped the old one keep it.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from . import config as configs
+from . import notify, watch
+from .errors import FastStartError
+from .fingerprint import fingerprint
+from .serve import Policy
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+
+log = logging.getLogger("fast_start.daemon")
+SETTLE_S = 2.0       # a changed checkpoint is refilled once its files stay the same this long
+RETRY_S = 10.0       # how often an unusable changed checkpoint is looked at again
+RECHECK_S = 30.0     # every cached model's files are compared with the fill's this often
+
+
+class Keeper:
+    def __init__(self, daemon: "Daemon"):
+        self.d = daemon
+        self.jobs: queue.Queue = queue.Queue()
+        self.retry: dict[str, float] = {}           # model -> when to try filling it
+        self.seen: dict[str, watch.Identity] = {}   # files last seen of a model waiting to settle
+        self.thread = threading.Thread(target=self.run, name="keeper", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def join(self, timeout: float) -> None:
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    def put(self, kind: str, arg=None) -> None:
+        """Queue "check" (model names), "fill" (a model name) or "reload"."""
+        self.jobs.put((kind, arg))
+
+    def run(self) -> None:
+        next_sweep = time.monotonic() + RECHECK_S
+        while not self.d.stop.is_set():
+            wake = min([next_sweep, *self.retry.values()])
+            try:
+                kind, arg = self.jobs.get(timeout=max(0.05, wake - time.monotonic()))
+            except queue.Empty:
+                kind, arg = None, None
+            try:
+                if kind == "check":
+                    for name in arg:
+                        self.check(name)
+                elif kind == "fill":
+                    self.retry[arg] = time.monotonic()
+                elif kind == "reload":
+                    self.reload()
+                for name in [n for n, t in self.retry.items() if t <= time.monotonic()]:
+                    del self.retry[name]
+                    self.refill(name)
+                if time.monotonic() >= next_sweep:
+                    for name in list(self.d.cache.entries):
+                        self.check(name)
+                    next_sweep = time.monotonic() + RECHECK_S
+            except Exception:
+                log.exception("the keeper failed on %s", kind)
+
+    def stale(self, name: str, why: str) -> None:
+        """`name`'s checkpoint changed under its cache: stop serving it, then refill it."""
+        if not self.d.cache.evict(name, "checkpoint changed", pending="stale"):
+            return
+        log.warning("%s: the checkpoint changed since the fill (%s); no longer served", name, why)
+        if self.d.cfg.daemon.refill_on_change:
+            self.put("fill", name)
+        else:
+            self.d.cache.set_pending(name, "stale", f"{why}; refill_on_change is off: a restart fills it")
+
+    def check(self, name: str) -> None:
+        """Compare `name`'s files with its fill's; a stale or failed model is looked at again."""
+        entry = self.d.cache.entries.get(name)
+        if entry is not None:
+            changed = watch.differs(entry.files, watch.identity(entry.model.path), gone_is_change=False)
+            if changed:
+                self.stale(name, changed)
+        elif self.d.cache.pending.get(name, {}).get("state") in ("stale", "failed") \
+                and self.d.cfg.daemon.refill_on_change:
+            self.retry.setdefault(name, time.monotonic())
+
+    def refill(self, name: str) -> None:
+        """Fill `name` in the background once its checkpoint has settled and is usable."""
+        model = self.d.model(name)
+        if model is None or name in self.d.cache.entries or self.d.stop.is_set():
+            return
+        files = watch.identity(model.path)
+        if self.seen.get(name) != files:            # still changing: wait until it stays put
+            self.seen[name] = files
+            self.d.cache.set_pending(name, "stale", "waiting for the checkpoint's files to settle")
+            self.retry[name] = time.monotonic() + SETTLE_S
+            return
+        with self.d.workers() as workers:
+            try:
+                self.d.check_models([model], workers)
+            except FastStartError as e:
+                self.d.cache.set_pending(name, "stale", f"waiting for a usable checkpoint: {e.what}")
+                self.retry[name] = time.monotonic() + RETRY_S
+                return
+            self.seen.pop(name, None)
+            self.d.cache.set_pending(name, "filling")
+            try:
+                self.d.fill([model], workers)
+            except FastStartError as e:
+                log.error("refilling %s failed: %s", name, e)
+                self.d.cache.set_pending(name, "failed", str(e))
+                return
+        self.d.watch.add(name, model.path)
+        self.check(name)            # changed while it filled: stale again at once
+
+    def reload(self) -> None:
+        """SIGHUP: read the config again; add new models, drop removed or changed ones, keep the rest."""
+        d = self.d
+        notify.notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        try:
+            cfg = configs.load(d.cfg.path, check_paths=False)
+            if (cfg.daemon.socket_dir, cfg.daemon.device) != (d.cfg.daemon.socket_dir, d.cfg.daemon.device):
+                raise FastStartError("socket_dir and device cannot change while the daemon runs",
+                                     f"systemctl restart fast-start@{d.gpu} to apply them")
+            with d.workers() as workers:
+                cfg = d.resolve(cfg, workers)
+        except FastStartError as e:
+            log.error("reload failed, keeping the running config: %s", e)
+            notify.notify("READY=1\nSTATUS=ready (the last reload failed: see the log)")
+            return
+        new = {m.name: m for m in cfg.models_on(d.gpu)}
+        changed = {}
+        for name, entry in list(d.cache.entries.items()):
+            m = new.get(name)
+            try:
+                fields = entry.manifest.fingerprint.diff(fingerprint(m.spec(d.gpu))) if m else ()
+            except FastStartError as e:     # storage away: keep serving what was filled
+                log.warning("reload: cannot read %s's checkpoint (%s); keeping it", name, e.what)
+                continue
+            if m is None or fields:
+                changed[name] = fields
+        d.cfg = cfg
+        d.server.policy = Policy.of(cfg.daemon)
+        d.cache.on_release = cfg.daemon.on_release
+        with d.cache.lock:
+            d.cache.configured = tuple(new)
+            for name in [n for n in d.cache.pending if n not in new]:
+                del d.cache.pending[name]
+        for name, fields in changed.items():
+            d.cache.evict(name, "config change", pending="filling")
+            d.watch.remove(name)
+            log.info("reload: %s %s", name, f"changed its {', '.join(fields)}" if fields else "is no longer served")
+        for name, m in new.items():
+            d.watch.add(name, m.path)
+            if name not in d.cache.entries:
+                self.retry.setdefault(name, time.monotonic())
+        log.info("reloaded %s: %d model(s) for GPU %d", cfg.path, len(new), d.gpu)
+        notify.notify(f"READY=1\nSTATUS=ready: reloaded, {len(new)} model(s) configured")

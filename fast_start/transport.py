@@ -1,0 +1,84 @@
+"""Where daemons listen and how to ask them: below both the engine side and the CLI.
+
+`gpu<N>.sock` (the daemon), `gpu<N>.state` (its start-up progress or why it failed) and
+`gpu<N>.lock` (one daemon per GPU) live in the socket directory: `socket_dir` of the config,
+`$FAST_START_SOCKET_DIR`, or /run/fast-start. `connect` checks the directory, the socket and
+the daemon's credentials before a byte is sent (`trust.py`); `request` sends one typed frame and
+reads the reply. Stdlib only.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from . import protocol, trust
+from .errors import FastStartError
+
+DEFAULT_SOCKET_DIR = "/run/fast-start"
+
+
+def socket_dir(explicit: str | os.PathLike | None = None) -> Path:
+    """The socket directory: `explicit`, else `$FAST_START_SOCKET_DIR`, else /run/fast-start."""
+    return Path(explicit or os.environ.get("FAST_START_SOCKET_DIR") or DEFAULT_SOCKET_DIR)
+
+
+def socket_path(directory: str | os.PathLike, gpu: int) -> Path:
+    return Path(directory) / f"gpu{gpu}.sock"
+
+
+def state_path(directory: str | os.PathLike, gpu: int) -> Path:
+    return Path(directory) / f"gpu{gpu}.state"
+
+
+def lock_path(directory: str | os.PathLike, gpu: int) -> Path:
+    return Path(directory) / f"gpu{gpu}.lock"
+
+
+def sockets(directory: Path) -> list[Path]:
+    """Every daemon socket in `directory` (none if it is missing or unreadable)."""
+    try:
+        return sorted(directory.glob("gpu*.sock")) if directory.is_dir() else []
+    except OSError:
+        return []
+
+
+def connect(path: Path, timeout: float) -> socket.socket:
+    """A connection to a daemon whose directory, socket and credentials we trust."""
+    trusted = trust.trusted_daemon_uids()
+    trust.check_socket_path(path, trusted)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    conn.settimeout(timeout)
+    try:
+        conn.connect(str(path))
+        server = trust.peer(conn)
+        if server.uid not in trusted:
+            raise trust.TrustError(f"{path} is served by uid {server.uid}, not a trusted daemon user",
+                                   "check which process owns the socket")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def request(conn: socket.socket, msg, with_fds: bool = False):
+    """Send one request and return its reply (and fds when asked for); daemon errors raise.
+
+    A daemon that refuses a peer says why and closes at once, so the request may fail to send
+    (EPIPE): the refusal is then still waiting to be read, and is what this raises.
+    """
+    try:
+        protocol.send(conn, msg)
+    except (BrokenPipeError, ConnectionResetError):
+        reply, _ = protocol.recv(conn, accept_fds=False)
+        if isinstance(reply, protocol.Error):
+            raise FastStartError(reply.what, reply.fix) from None
+        raise
+    reply, fds = protocol.recv(conn, accept_fds=with_fds)
+    if reply is None:
+        raise protocol.ProtocolError("the daemon closed the connection", "see the daemon's log")
+    if isinstance(reply, protocol.Error):
+        for fd in fds:
+            os.close(fd)
+        raise FastStartError(reply.what, reply.fix)
+    return (reply, fds) if with_fds else reply
