@@ -43,6 +43,7 @@ def memory(pid: int) -> dict[str, float]:
 
 
 def measure(package_root: Path, model: Path, work: Path, repeat: int) -> dict:
+    os.chdir(work)      # `python -m` looks in the working directory first: not in this checkout
     env = {**os.environ, "PYTHONPATH": str(package_root)}
     cli = [sys.executable, "-m", "fast_start.cli"]
     cfg = write_config(work / "fs.toml", work / "run", [{"name": "bench", "path": str(model), "gpus": [0],
@@ -71,6 +72,7 @@ def main() -> None:
                         help="where the 1 GiB synthetic checkpoint is kept between runs")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    args.json = args.json and args.json.resolve()        # measure() works in temporary folders
     folder = synth.cached(args.dir, synth.llama_of_size(2**30), files=4, reuse=True)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -32,7 +32,7 @@ from .headers import raw_header, shard_files
 from .transport import DEFAULT_SOCKET_DIR, connect, request, socket_path, state_path
 from .trust import TrustError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Keep inference engines' weights resident on each GPU between restarts.")
 out = Console()
 
