@@ -142,7 +142,7 @@ def test_verify_deep_compares_cuda_arenas_with_the_disk(tmp_path, llama, daemons
     daemons(cfg)
     r = CliRunner().invoke(app, ["verify", "--model", str(llama), "--config", str(cfg), "--deep", "--json"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout) == [{"gpu": 0, "model": "llama", "match": True, "fields": [],
+    assert json.loads(r.stdout) == [{"gpu": 0, "model": "llama", "match": True, "fields": [], "files": None,
                                      "tensors_differing": []}]
 
 
