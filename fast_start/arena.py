@@ -22,7 +22,7 @@ import torch
 
 from . import dtypes
 from .errors import ArenaError
-from .manifest import TensorEntry
+from .manifest import Manifest, TensorEntry
 
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 _WRITE_STEP = 1 << 26
@@ -99,6 +99,25 @@ def _map_memfd(fd: int, size: int) -> torch.Tensor:
         # torch warns that the buffer is not writable: that is the point of a read-only map.
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def tensors(manifest: Manifest, fds: list[int], mode: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of a manifest from its arena fds (which the caller keeps and may close).
+
+    `zero_copy`: read-only views of the arenas. `copy`: one device copy of each arena into memory
+    the caller owns (one large copy runs at full bandwidth; per-tensor clones would not), the
+    mappings dropped as soon as the copy is done.
+    """
+    if len(fds) != len(manifest.arenas):
+        raise ArenaError(f"got {len(fds)} arena fds for {len(manifest.arenas)} arenas",
+                         "ask the daemon again; the reply was incomplete")
+    maps = [map_readonly(fd, a.size, a.device, device) for fd, a in zip(fds, manifest.arenas, strict=True)]
+    if mode == "copy":
+        maps = [m.clone() for m in maps]
+    out = {}
+    for i, arena in enumerate(maps):
+        out.update(views(arena, [e for e in manifest.tensors if e.arena == i]))
+    return out
 
 
 def views(arena: torch.Tensor, entries: list[TensorEntry]) -> dict[str, torch.Tensor]:

@@ -133,22 +133,9 @@ def _device_id(device: torch.device) -> str:
 
 def from_arenas(manifest: Manifest, fds: list[int], mode: str = "zero_copy",
                 device: str | torch.device = "cpu") -> Weights:
-    """Build weights from arena fds (the caller keeps ownership of the fds and may close them).
-
-    `zero_copy`: read-only views of the arenas. `copy`: one device copy of each arena into memory
-    the engine owns (one large copy runs at full bandwidth; per-tensor clones would not), the
-    mappings dropped as soon as the copy is done.
-    """
-    if len(fds) != len(manifest.arenas):
-        raise FastStartError(f"got {len(fds)} arena fds for {len(manifest.arenas)} arenas",
-                             "ask the daemon again; the reply was incomplete")
-    device = torch.device(device)
-    maps = [arenas.map_readonly(fd, a.size, a.device, device) for fd, a in zip(fds, manifest.arenas, strict=True)]
-    if mode == "copy":
-        maps = [m.clone() for m in maps]
-    tensors = {}
-    for i, arena in enumerate(maps):
-        tensors.update(arenas.views(arena, [e for e in manifest.tensors if e.arena == i]))
+    """Build weights from arena fds (the caller keeps ownership of the fds and may close them);
+    `arena.tensors` says what each mode maps."""
+    tensors = arenas.tensors(manifest, fds, mode, torch.device(device))
     return Weights(tensors, dict(manifest.aliases), "cache", manifest.fingerprint)
 
 

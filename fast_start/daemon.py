@@ -391,7 +391,7 @@ class Daemon:
     def shutdown(self, listener: socket.socket | None) -> None:
         """Each step on its own: one that fails (a manager gone, a file removed) skips none of the rest."""
         self.stop.set()
-        self.keeper.join(5)             # a refill in progress kills its worker within a second
+        self.keeper.join(5)
         steps = [lambda: notify.notify("STOPPING=1"),
                  lambda: socket_path(self.directory, self.gpu).unlink(missing_ok=True) if listener else None,
                  lambda: listener.close() if listener else None,

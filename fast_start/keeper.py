@@ -42,11 +42,14 @@ class Keeper:
         self.thread.start()
 
     def join(self, timeout: float) -> None:
+        """Wait for the thread to end (the daemon's stop is set): a refill in progress kills its
+        worker within a second."""
         if self.thread.is_alive():
+            self.put("stop")            # wakes the wait for the next job
             self.thread.join(timeout)
 
     def put(self, kind: str, arg=None) -> None:
-        """Queue "check" (model names), "fill" (a model name) or "reload"."""
+        """Queue "check" (model names), "fill" (a model name), "reload" or "stop"."""
         self.jobs.put((kind, arg))
 
     def run(self) -> None:

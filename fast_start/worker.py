@@ -89,14 +89,14 @@ def verify(sock: socket.socket, job: protocol.VerifyJob, fds) -> None:
     """Checksums of arenas (re-adopted from the fd store, or mapped for `verify --deep`) against
     their manifest; with a spec, also the bytes derived from disk, one tensor at a time."""
     arena, materialize, open_checkpoint = data_plane()
-    from .client import from_arenas
+    import torch
     from .manifest import Manifest
     manifest = Manifest.from_dict(job.manifest)
     device = local_device(manifest.arenas[0].device) if manifest.arenas else "cpu"
     use_device(device)
-    weights = from_arenas(manifest, fds, "zero_copy", device)
+    cached = arena.tensors(manifest, fds, "zero_copy", torch.device(device))
     want = {e.name: e.checksum for e in manifest.tensors}
-    bad = [n for n, s in want.items() if arena.checksum(weights.tensors[n]) != s]
+    bad = [n for n, s in want.items() if arena.checksum(cached[n]) != s]
     if job.spec:
         spec = WeightSpec(**job.spec)
         ckpt = open_checkpoint(spec.path)
