@@ -49,7 +49,8 @@ class Keeper:
             self.thread.join(timeout)
 
     def put(self, kind: str, arg=None) -> None:
-        """Queue "check" (model names), "fill" (a model name), "reload" or "stop"."""
+        """Queue "check" ({model: what the watch saw written or None}), "fill" (a model name),
+        "reload" or "stop"."""
         self.jobs.put((kind, arg))
 
     def run(self) -> None:
@@ -62,8 +63,8 @@ class Keeper:
                 kind, arg = None, None
             try:
                 if kind == "check":
-                    for name in arg:
-                        self.check(name)
+                    for name, written in arg.items():
+                        self.check(name, written)
                 elif kind == "fill":
                     self.retry[arg] = time.monotonic()
                 elif kind == "reload":
@@ -88,11 +89,12 @@ class Keeper:
         else:
             self.d.cache.set_pending(name, "stale", f"{why}; refill_on_change is off: a restart fills it")
 
-    def check(self, name: str) -> None:
-        """Compare `name`'s files with its fill's; a stale or failed model is looked at again."""
+    def check(self, name: str, written: str | None = None) -> None:
+        """Compare `name`'s files with its fill's (or take the watch's word that one was
+        `written`); a stale or failed model is looked at again."""
         entry = self.d.cache.entries.get(name)
         if entry is not None:
-            changed = watch.differs(entry.files, watch.identity(entry.model.path), gone_is_change=False)
+            changed = written or watch.differs(entry.files, watch.identity(entry.model.path), gone_is_change=False)
             if changed:
                 self.stale(name, changed)
         elif self.d.cache.pending.get(name, {}).get("state") in ("stale", "failed") \

@@ -8,11 +8,11 @@ the tensors came from (the shards, the index, config.json): device, inode, size 
   identity recorded at the fill is a miss. A rewrite in place changes size or mtime, a new file
   moved over the old one changes the inode, another copy of the model has other inodes.
 - `Watch` is an inotify watch on each model's folder (and on the folders its files resolve
-  into, e.g. a Hugging Face cache's blobs): a change marks the model stale the moment it
-  happens, and the daemon refills it.
+  into, e.g. a Hugging Face cache's blobs): a write to one of its files marks the model stale
+  the moment it happens, and the daemon refills it.
 
-What this cannot see: a rewrite that keeps size and restores the mtime (`touch -d`) on a file
-system where inotify sees no event (a change made on another NFS client); the README says so.
+What this cannot see: a rewrite that keeps the size and restores the mtime (`touch -d`) where no
+inotify event arrives (a change made on another NFS client); the README says so.
 Stdlib only: the daemon's serving process never imports torch for this.
 """
 from __future__ import annotations
@@ -88,11 +88,17 @@ IN_DELETE_SELF, IN_MOVE_SELF, IN_IGNORED = 0x400, 0x800, 0x8000
 IN_NONBLOCK, IN_CLOEXEC = 0o4000, 0o2000000
 _MASK = (IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
          | IN_DELETE_SELF | IN_MOVE_SELF)
+_WRITES = IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
 _EVENT = struct.Struct("iIII")
 
 
 class Watch:
-    """inotify on model folders: `fd` becomes readable on a change; `changed()` names the models."""
+    """inotify on model folders: `fd` becomes readable on a change; `changed()` names the models.
+
+    A checkpoint file written, created, moved or deleted makes its model stale whatever the
+    files' identity says afterwards (a same-size rewrite within one mtime tick keeps it); any
+    other event in a watched folder only asks for the identity to be compared.
+    """
 
     def __init__(self):
         self._libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -101,37 +107,41 @@ class Watch:
             log.warning("cannot watch model folders (inotify_init1: %s); checkpoint changes are noticed at the "
                         "next acquire or within 30 s", os.strerror(ctypes.get_errno()))
         self._models: dict[int, set[str]] = {}     # watch descriptor -> models it covers
-        self._folders: dict[str, set[str]] = {}    # model -> folders it watches
+        self._files: dict[str, set[str]] = {}      # model -> names of its files (and of their link targets)
 
     def add(self, model: str, folder: str | Path) -> None:
         """Watch `folder` and the folders its checkpoint files resolve into (symlinked blobs)."""
-        folder = Path(folder)
-        folders = {str(folder)} | {str((folder / n).resolve().parent) for n in checkpoint_files(folder)}
+        files = {Path(folder) / n for n in checkpoint_files(Path(folder))}
+        targets = {p.resolve() for p in files}
         self.remove(model)
-        self._folders[model] = folders
-        for f in folders if self.fd >= 0 else ():
+        self._files[model] = {p.name for p in files | targets}
+        for f in {str(folder)} | {str(p.parent) for p in targets} if self.fd >= 0 else ():
             wd = self._libc.inotify_add_watch(self.fd, os.fsencode(f), _MASK)
             if wd >= 0:         # a folder that is gone now is caught by the identity check
                 self._models.setdefault(wd, set()).add(model)
 
     def remove(self, model: str) -> None:
-        self._folders.pop(model, None)
+        self._files.pop(model, None)
         for models in self._models.values():
             models.discard(model)
 
-    def changed(self) -> set[str]:
-        """Models whose folders saw an event since the last call (drains the fd)."""
-        hit: set[str] = set()
+    def changed(self) -> dict[str, str | None]:
+        """Models whose folders saw events since the last call (drains the fd): "<file> was
+        written" where one of its files was, else None (compare the identity)."""
+        hit: dict[str, str | None] = {}
         while self.fd >= 0:
             try:
                 data = os.read(self.fd, 65536)
             except BlockingIOError:
                 return hit
-            for wd, mask, _, _ in _events(data):
-                if mask & IN_IGNORED:               # the folder was removed or unmounted
-                    hit |= self._models.pop(wd, set())
-                else:
-                    hit |= self._models.get(wd, set())
+            for wd, mask, _, raw in _events(data):
+                models = self._models.pop(wd, set()) if mask & IN_IGNORED else self._models.get(wd, set())
+                name = os.fsdecode(raw.rstrip(b"\0"))
+                for model in models:
+                    if mask & _WRITES and name in self._files.get(model, ()):
+                        hit[model] = f"{name} was written"
+                    else:
+                        hit.setdefault(model, None)
         return hit
 
     def close(self) -> None:

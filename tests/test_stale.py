@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from probe import evictions, status, wait_until
+from scramble import scramble
 
 import fast_start
 from fast_start import protocol, watch
@@ -145,3 +146,15 @@ def test_acquire_compares_the_files_and_marks_the_model_stale(tmp_path, small):
     assert "checkpoint changed since the fill (model.safetensors was rewritten (mtime changed))" in reply.reason
     assert stale == [("small", "model.safetensors was rewritten (mtime changed)")]
     cache.close()
+
+
+def test_a_rewrite_that_keeps_size_and_mtime_is_caught_by_the_watch(tmp_path, small, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model(small)], refill_on_change=False)
+    d = daemons(cfg)
+    files = watch.identity(small)
+    scramble(small)                                  # every data byte changed, size and mtime put back
+    assert watch.identity(small) == files            # what the identity alone cannot see
+    wait_until(lambda: [m["state"] for m in status(d)["missing"]] == ["stale"], what="the watch")
+    assert "model.safetensors was written" in status(d)["missing"][0]["detail"]
+    with pytest.raises(CacheMiss, match="checkpoint changed since the fill"):
+        fast_start.fetch(spec(small), socket_dir=str(tmp_path / "run"), fallback=False)
