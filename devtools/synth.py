@@ -60,6 +60,9 @@ class Shape:
         if fp8:
             c["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                         **({"weight_block_size": [128, 128]} if fp8 == "block" else {})}
+            if self.num_experts:    # routers stay in the model dtype (as real FP8 MoE checkpoints say)
+                gate = "mlp.gate" if self.architecture == "Qwen3MoeForCausalLM" else "block_sparse_moe.gate"
+                c["quantization_config"]["ignored_layers"] = [f"model.layers.{i}.{gate}" for i in range(self.num_layers)]
         return c
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:

@@ -133,23 +133,28 @@ def views(arena: torch.Tensor, entries: list[TensorEntry]) -> dict[str, torch.Te
         if e.dtype not in typed:
             usable = arena.numel() // dtype.itemsize * dtype.itemsize
             typed[e.dtype] = arena[:usable].view(dtype)
-        stride, step = [], 1
-        for size in reversed(e.shape):
-            stride.append(step)
-            step *= size
-        out[e.name] = typed[e.dtype].as_strided(e.shape, stride[::-1], e.offset // dtype.itemsize)
+        stride = e.stride or contiguous_stride(e.shape)
+        out[e.name] = typed[e.dtype].as_strided(e.shape, stride, e.offset // dtype.itemsize)
     return out
 
 
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(stride[::-1])
+
+
 def checksum(t: torch.Tensor) -> str:
-    """Device-independent checksum of a contiguous tensor's bytes.
+    """Device-independent checksum of a tensor's bytes in row-major order (a view: of its copy).
 
     The bytes, zero-padded, are read as int64 words in blocks of 4 KiB; the result is the sum of
     all words and the sum of block sums weighted by block position (both mod 2**64). Integer
     sums wrap the same way on every device and in any order, so CPU and GPU agree, and one pass
     runs at memory speed. It detects corruption (stray writes, torn copies), not tampering.
     """
-    b = t.detach().reshape(-1).view(torch.uint8)
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
     if b.data_ptr() % 8:
         b = b.clone()   # int64 views need 8-byte alignment
     s1 = s2 = 0

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import config as configs
-from . import protocol, watch
+from . import protocol, vllm_rules, watch
 from .config import ConfigError
 from .errors import FastStartError, NoDaemon, Refused
 from .fingerprint import Fingerprint, WeightSpec, checkpoint_hash, fingerprint
@@ -210,9 +210,13 @@ def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint 
                     dtype: str = typer.Option("bfloat16", "--dtype"),
                     quantization: str = typer.Option("none", "--quantization"),
                     layout: str = typer.Option("hf", "--layout"), revision: str = typer.Option("main", "--revision"),
-                    engine_version: str = typer.Option("", "--engine-version"), as_json: bool = JSON):
-    """Compute a checkpoint's fingerprint without a daemon."""
-    fp = fingerprint(WeightSpec(str(model), tp, rank, dtype, quantization, layout, revision, engine_version))
+                    engine_version: str = typer.Option("", "--engine-version"),
+                    pp: int = typer.Option(1, "--pp", help="pipeline stages (layout vllm); --rank is the global rank"),
+                    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="layout vllm"),
+                    as_json: bool = JSON):
+    """Compute a checkpoint's fingerprint without a daemon (layout vllm: with this shell's VLLM_* kernel variables)."""
+    options = vllm_rules.engine_options(dict(os.environ), kv_cache_dtype, pp) if layout == "vllm" else ""
+    fp = fingerprint(WeightSpec(str(model), tp, rank, dtype, quantization, layout, revision, engine_version, pp, options))
     data = {"digest": fp.digest(), "fingerprint": fp.to_dict()}
 
     emit(data, as_json, lambda d: _field_table(f"fingerprint {d['digest'][:16]}", d["fingerprint"]))
@@ -235,7 +239,8 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
             if not same_folder and stored.checkpoint != headers:
                 continue
             spec = WeightSpec(str(model), stored.tensor_parallel_size, stored.rank, stored.dtype, stored.quantization,
-                              stored.layout.split("/")[0], stored.revision, stored.engine_version)
+                              stored.layout.split("/")[0], stored.revision, stored.engine_version,
+                              stored.pipeline_parallel_size, stored.engine_options)
             fields = list(stored.diff(fingerprint(spec)))
             changed = watch.differs(m["files"], files)
             if changed:      # the fill read other files, or these changed since

@@ -38,6 +38,8 @@ class Weights(Mapping):
         self.tensors, self.aliases = tensors, aliases
         self.source, self.fingerprint = source, fingerprint
         self.lease: int | None = None     # the daemon's lease id for cache weights
+        self.socket: str | None = None    # the daemon that holds the lease
+        self.engine: dict = {}            # a vLLM fill's stage, kernel plan and signature (manifest.engine)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[self.aliases.get(name, name)]
@@ -92,7 +94,9 @@ def _from_cache(want: Fingerprint, files: watch.Identity, device: torch.device, 
                     continue
                 reply, fds = request(conn, protocol.Acquire(want.to_dict(), mode, files), with_fds=True)
                 if isinstance(reply, protocol.Acquired):
-                    return _use(conn, reply, fds, want, mode, device)
+                    weights = _use(conn, reply, fds, want, mode, device)
+                    weights.socket = str(path)
+                    return weights
                 misses.append((reply.reason + (f" (model {reply.model!r})" if reply.model else ""),
                                reply.fix or "run `fast-start fingerprints` and compare with this engine's spec",
                                reply.fields))
@@ -136,7 +140,22 @@ def from_arenas(manifest: Manifest, fds: list[int], mode: str = "zero_copy",
     """Build weights from arena fds (the caller keeps ownership of the fds and may close them);
     `arena.tensors` says what each mode maps."""
     tensors = arenas.tensors(manifest, fds, mode, torch.device(device))
-    return Weights(tensors, dict(manifest.aliases), "cache", manifest.fingerprint)
+    weights = Weights(tensors, dict(manifest.aliases), "cache", manifest.fingerprint)
+    weights.engine = manifest.engine
+    return weights
+
+
+def release(weights: Weights, connect_timeout: float = 5.0) -> None:
+    """Give a zero-copy lease back early (an engine that turned the cache down); errors are logged."""
+    if weights.lease is None or weights.socket is None:
+        return
+    try:
+        with connect(Path(weights.socket), connect_timeout) as conn:
+            request(conn, protocol.Hello(protocol.VERSION))
+            request(conn, protocol.Release(weights.lease))
+    except (FastStartError, OSError) as e:
+        log.warning("fast-start: could not release lease %d at %s: %s", weights.lease, weights.socket, e)
+    weights.lease = None
 
 
 def load_into(module: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> torch.nn.Module:

@@ -6,13 +6,14 @@ impossible values each fail with one message naming the file, the key and the fi
 from __future__ import annotations
 
 import grp
+import os
 import re
 import sys
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from . import dtypes, quant
-from .errors import ConfigError
+from . import dtypes, quant, vllm_rules
+from .errors import ConfigError, QuantizationError
 from .fingerprint import LAYOUTS, WeightSpec
 from .transport import DEFAULT_SOCKET_DIR
 
@@ -63,11 +64,19 @@ class ModelConfig:
     revision: str = "main"
     engine_version: str = ""                # "auto": the engine's version in the worker's environment
     python: str = ""                        # this model's worker interpreter; "" = worker_python
+    pipeline_parallel_size: int = 1         # ranks are global: pp_rank * tensor_parallel_size + tp_rank
+    kv_cache_dtype: str = "auto"            # layout "vllm": the engine's --kv-cache-dtype
+    engine_env: tuple[str, ...] = ()        # layout "vllm": the engine's kernel-selecting VLLM_* variables
 
     def spec(self, gpu: int) -> WeightSpec:
         """The weights GPU `gpu` serves for this model."""
+        options = ""
+        if self.layout == "vllm":
+            env = {**os.environ, **vllm_rules.parse_env(self.engine_env, self.name)}
+            options = vllm_rules.engine_options(env, self.kv_cache_dtype, self.pipeline_parallel_size)
         return WeightSpec(self.path, self.tensor_parallel_size, self.gpus.index(gpu) + self.rank_offset,
-                          self.dtype, self.quantization, self.layout, self.revision, self.engine_version)
+                          self.dtype, self.quantization, self.layout, self.revision, self.engine_version,
+                          self.pipeline_parallel_size, options)
 
 
 @dataclass(frozen=True)
@@ -209,6 +218,19 @@ def _check_daemon(d: DaemonConfig, path: str) -> None:
             bad(key, f"is {getattr(d, key)!r}", 'write bytes ("120GiB", "500MB")' + (' or a share ("95%")' if total else ""))
 
 
+def _check_vllm(m: ModelConfig, bad) -> None:
+    """A vLLM model names vLLM's quantization (\"none\": what the checkpoint says) and kernel variables."""
+    if m.quantization != "none":
+        try:
+            vllm_rules.check(m.quantization, m.tensor_parallel_size)
+        except QuantizationError as e:
+            bad("quantization", f"is {m.quantization!r}: {e.what}", e.fix)
+    try:
+        vllm_rules.parse_env(m.engine_env, m.name)
+    except QuantizationError as e:
+        bad("engine_env", f"is {list(m.engine_env)}: {e.what}", e.fix)
+
+
 def _check_model(m: ModelConfig, where: str, check_paths: bool) -> None:
     def bad(key, what, fix):
         raise ConfigError(f"{where} key {key!r} {what}", fix)
@@ -216,18 +238,25 @@ def _check_model(m: ModelConfig, where: str, check_paths: bool) -> None:
         bad("gpus", "is empty", "list the GPU indices that serve this model, e.g. gpus = [0]")
     if len(set(m.gpus)) != len(m.gpus) or min(m.gpus) < 0:
         bad("gpus", f"{list(m.gpus)} lists a GPU twice or a negative index", "list each GPU once")
-    if m.tensor_parallel_size < 1:
-        bad("tensor_parallel_size", f"is {m.tensor_parallel_size}", "use 1 or more")
-    if m.rank_offset < 0 or m.rank_offset + len(m.gpus) > m.tensor_parallel_size:
-        bad("rank_offset", f"{m.rank_offset} with {len(m.gpus)} GPUs serves ranks beyond "
-            f"{m.tensor_parallel_size - 1}", "serve at most tensor_parallel_size ranks: fix gpus or rank_offset")
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(m, key) < 1:
+            bad(key, f"is {getattr(m, key)}", "use 1 or more")
+    if m.pipeline_parallel_size > 1 and m.layout != "vllm":
+        bad("pipeline_parallel_size", f"is {m.pipeline_parallel_size} with layout {m.layout!r}",
+            "pipeline stages are cached for layout = \"vllm\" only")
+    ranks = m.tensor_parallel_size * m.pipeline_parallel_size
+    if m.rank_offset < 0 or m.rank_offset + len(m.gpus) > ranks:
+        bad("rank_offset", f"{m.rank_offset} with {len(m.gpus)} GPUs serves ranks beyond {ranks - 1}",
+            "serve at most tensor_parallel_size × pipeline_parallel_size ranks: fix gpus or rank_offset")
     if m.dtype not in dtypes.MODEL:
         bad("dtype", f"is {m.dtype!r}", f"use one of {', '.join(dtypes.MODEL)}")
     if m.layout not in LAYOUTS:
         bad("layout", f"is {m.layout!r}", f"use one of {', '.join(LAYOUTS)}")
-    if m.quantization not in quant.METHODS:
+    if m.layout == "vllm":
+        _check_vllm(m, bad)
+    elif m.quantization not in quant.METHODS:
         bad("quantization", f"is {m.quantization!r}", f"use one of {', '.join(quant.METHODS)}")
-    if not quant.METHODS[m.quantization].verified_for_sharing:
+    elif not quant.METHODS[m.quantization].verified_for_sharing:
         verified = [n for n, x in quant.METHODS.items() if x.verified_for_sharing]
         bad("quantization", f"{m.quantization!r} is not verified for sharing", f"use one of {', '.join(verified)}")
     if m.python and not Path(m.python).is_absolute():

@@ -15,14 +15,14 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from . import quant
-from .headers import raw_header, read_config, shard_files
+from . import quant, vllm_rules
+from .headers import raw_header, read_config, read_identity, shard_files
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
 
 # Bump when the bytes fast-start produces for the same inputs change (rules, packing, formats).
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 
 
 LAYOUTS = ("hf", "vllm")
@@ -39,6 +39,8 @@ class WeightSpec:
     layout: str = "hf"
     revision: str = "main"
     engine_version: str = ""
+    pipeline_parallel_size: int = 1     # `rank` is the global rank: pp_rank * tensor_parallel_size + tp_rank
+    engine_options: str = ""            # layout "vllm": vllm_rules.engine_options (kernel env, KV dtype, PP)
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,9 @@ class Fingerprint:
     quantization_config: str
     revision: str
     engine_version: str
-    layout: str          # "<layout>/<LAYOUT_VERSION>", e.g. "hf/1"
+    layout: str          # "<layout>/<LAYOUT_VERSION>", e.g. "hf/2"
+    pipeline_parallel_size: int
+    engine_options: str
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
@@ -88,17 +92,20 @@ def fingerprint(spec: WeightSpec, ckpt: "Checkpoint | None" = None) -> Fingerpri
     Without `ckpt` only config.json and the raw headers are read, not validated: that is all a
     cache lookup needs, since a daemon holding the same header hash validated those very files.
     """
-    if ckpt is None:
-        folder = Path(spec.path)
-        headers = {f: raw_header(folder / f) for f in shard_files(folder)}
-        dims = read_config(folder)
+    folder = Path(spec.path)
+    headers = ckpt.headers if ckpt else {f: raw_header(folder / f) for f in shard_files(folder)}
+    if spec.layout == "vllm":      # any architecture vLLM builds; vLLM's own quantization names
+        architecture, checkpoint_config = read_identity(folder)
+        quantization = vllm_rules.resolve(spec.quantization, checkpoint_config)
+        config = quant.hash_of({"engine": "vllm", "method": quantization, "checkpoint": checkpoint_config})
     else:
-        headers, dims = ckpt.headers, ckpt.dims
-    method = quant.method(spec.quantization)
+        dims = ckpt.dims if ckpt else read_config(folder)
+        architecture, quantization = dims.architecture, spec.quantization
+        config = quant.config_hash(quant.method(quantization), dims.quantization_config)
     return Fingerprint(
-        checkpoint=checkpoint_hash(headers), architecture=dims.architecture,
+        checkpoint=checkpoint_hash(headers), architecture=architecture,
         tensor_parallel_size=spec.tensor_parallel_size, rank=spec.rank, dtype=spec.dtype,
-        quantization=spec.quantization,
-        quantization_config=quant.config_hash(method, dims.quantization_config),
+        quantization=quantization, quantization_config=config,
         revision=spec.revision, engine_version=spec.engine_version,
-        layout=f"{spec.layout}/{LAYOUT_VERSION}")
+        layout=f"{spec.layout}/{LAYOUT_VERSION}", pipeline_parallel_size=spec.pipeline_parallel_size,
+        engine_options=spec.engine_options)

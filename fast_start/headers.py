@@ -59,7 +59,7 @@ class ModelDims:
     quantization_config: dict | None = None
 
 
-def read_config(folder: Path) -> ModelDims:
+def _config_json(folder: Path) -> tuple[Path, dict, str | None]:
     path = folder / "config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -70,7 +70,31 @@ def read_config(folder: Path) -> ModelDims:
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path} is not a JSON object", "restore the model's config.json")
     archs = cfg.get("architectures") or []
-    arch = archs[0] if isinstance(archs, list) and archs else None
+    return path, cfg, archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+
+
+def read_identity(folder: Path) -> tuple[str, dict | None]:
+    """(architecture, quantization_config) of any model folder: what a fill by vLLM is keyed on
+    (vLLM builds the architecture; fast-start's tables need not know it)."""
+    path, cfg, arch = _config_json(folder)
+    if arch is None:
+        raise CheckpointError(f"{path} names no architecture", "restore the model's config.json")
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    return arch, cfg.get("quantization_config") or text.get("quantization_config")
+
+
+def tensor_bytes(folder: Path) -> list[tuple[str, str, int]]:
+    """(name, safetensors dtype code, bytes) of every tensor in the folder's shards, from headers."""
+    out = []
+    for name in shard_files(folder):
+        header = json.loads(raw_header(folder / name)[8:])
+        out += [(k, v["dtype"], v["data_offsets"][1] - v["data_offsets"][0])
+                for k, v in header.items() if k != "__metadata__"]
+    return out
+
+
+def read_config(folder: Path) -> ModelDims:
+    path, cfg, arch = _config_json(folder)
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: architecture {arch!r} is not supported",
                               f"use one of {', '.join(ARCHITECTURES)}")

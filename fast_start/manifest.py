@@ -1,7 +1,10 @@
 """The manifest: everything a client needs to turn arena file descriptors into tensors.
 
 JSON on the wire: the fingerprint, the arenas (size, device), the tensors (name, dtype, shape,
-arena, offset, nbytes, checksum) and tied-weight aliases (name -> name of the tensor it shares).
+arena, offset, nbytes, checksum; a `stride` where the tensor is a view, e.g. vLLM's transposed
+FP8 weights, whose entries may then share bytes), tied-weight aliases (name -> name of the tensor
+it shares) and, for a model filled by vLLM, what its plugin needs to install it (`engine`:
+`vllm_state.py`).
 `Manifest.from_json` checks everything a client relies on before it builds a single view, so a
 manifest from a buggy or hostile peer cannot make a client read outside an arena. Plain Python:
 the daemon parses and stores manifests without torch; the checksums are `arena.checksum`'s.
@@ -9,7 +12,7 @@ the daemon parses and stores manifests without torch; the checksums are `arena.c
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from . import dtypes
 from .errors import ArenaError
@@ -27,6 +30,7 @@ class TensorEntry:
     offset: int
     nbytes: int
     checksum: str = ""
+    stride: tuple[int, ...] = ()     # empty: contiguous
 
 
 @dataclass(frozen=True)
@@ -41,11 +45,12 @@ class Manifest:
     arenas: tuple[ArenaEntry, ...]
     tensors: tuple[TensorEntry, ...]
     aliases: dict[str, str]
+    engine: dict = field(default_factory=dict)   # a vLLM fill's stage, plan and signature
 
     def to_dict(self) -> dict:
         """The JSON object `from_dict` reads back."""
         return {"fingerprint": self.fingerprint.to_dict(), "arenas": [asdict(a) for a in self.arenas],
-                "tensors": [asdict(t) for t in self.tensors], "aliases": dict(self.aliases)}
+                "tensors": [asdict(t) for t in self.tensors], "aliases": dict(self.aliases), "engine": self.engine}
 
     def to_json(self) -> bytes:
         return json.dumps(self.to_dict(), separators=(",", ":")).encode()
@@ -64,8 +69,9 @@ class Manifest:
         try:
             m = cls(Fingerprint.from_dict(d["fingerprint"]),
                     tuple(ArenaEntry(**a) for a in d["arenas"]),
-                    tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in d["tensors"]),
-                    dict(d["aliases"]))
+                    tuple(TensorEntry(**{**t, "shape": tuple(t["shape"]), "stride": tuple(t.get("stride", ()))})
+                          for t in d["tensors"]),
+                    dict(d["aliases"]), dict(d.get("engine", {})))
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ArenaError(f"manifest is malformed: {e}", "refill the cache (fast-start evict, then restart)") from None
         m.validate()
@@ -82,12 +88,24 @@ class Manifest:
             if any(not isinstance(s, int) or s < 0 for s in t.shape) or nbytes(t.dtype, t.shape) != t.nbytes:
                 raise ArenaError(f"manifest entry {t.name!r}: shape {t.shape} does not match {t.nbytes} bytes",
                                  "refill the cache")
-            if t.offset % ALIGN or t.offset < 0 or t.offset + t.nbytes > self.arenas[t.arena].size:
+            if t.offset < 0 or t.offset % (ALIGN if not t.stride else dtypes.BY_NAME[t.dtype].itemsize) or \
+                    t.offset + span(t) > self.arenas[t.arena].size:
                 raise ArenaError(f"manifest entry {t.name!r} lies outside arena {t.arena} or is misaligned",
                                  "refill the cache")
         for alias, target in self.aliases.items():
             if target not in names or alias in names:
                 raise ArenaError(f"manifest alias {alias!r} -> {target!r} is invalid", "refill the cache")
+
+
+def span(t: TensorEntry) -> int:
+    """Bytes from a tensor's first element to the end of its last (its nbytes when contiguous)."""
+    if not t.stride:
+        return t.nbytes
+    if len(t.stride) != len(t.shape) or any(not isinstance(s, int) or s < 0 for s in t.stride):
+        raise ArenaError(f"manifest entry {t.name!r}: stride {t.stride} does not fit shape {t.shape}", "refill the cache")
+    if 0 in t.shape:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride))) * dtypes.BY_NAME[t.dtype].itemsize
 
 
 def nbytes(dtype: str, shape: tuple[int, ...]) -> int:

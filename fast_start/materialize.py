@@ -69,8 +69,9 @@ def check_spec(ckpt: Checkpoint, spec: WeightSpec):
     method = quant.method(spec.quantization)
     quant.require_verified(method)
     if spec.layout == "vllm" and method.name != "none":
-        raise QuantizationError(f"layout \"vllm\" caches unquantized weights only, not {method.name!r}",
-                                "use quantization = \"none\" with layout = \"vllm\", or layout = \"hf\"")
+        raise QuantizationError(f"layout \"vllm\" from fast-start's own tables caches unquantized weights only, "
+                                f"not {method.name!r}", "install vLLM where the fill worker runs (worker_python) "
+                                "so that vLLM fills it, or use layout = \"hf\"")
     dtype = dtypes.torch_dtype(quant.check_dtype(spec.dtype))
     tp = shard.check_tp(ckpt.dims, spec.tensor_parallel_size, spec.rank, layout.vocab_padding(spec.layout))
     quantized = [n for n, i in ckpt.tensors.items() if i.dtype == fp8.FP8]

@@ -110,4 +110,8 @@ def config_hash(m: Method, checkpoint_config: dict | None) -> str:
     conf = {"method": m.name, **m.params}
     if m.prequantized:
         conf["checkpoint"] = checkpoint_config
+    return hash_of(conf)
+
+
+def hash_of(conf: dict) -> str:
     return hashlib.sha256(json.dumps(conf, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,18 +1,23 @@
 """vLLM: `--load-format fast_start` maps a rank's weights from the fast-start daemon.
 
 `register` is the `vllm.general_plugins` entry point; vLLM calls it in every engine process
-(more than once is harmless). The loader:
+(more than once is harmless). The daemon's fill worker ran this engine's vLLM for the rank
+(`vllm_fill.py`); the loader:
 
-1. asks the daemon for this rank's tensors in the `vllm` layout (`fetch`, fingerprint from
-   vLLM's own view: the checkpoint's headers, architecture, TP size and rank, dtype,
-   quantization, revision and `vllm.__version__`);
+1. asks the daemon for this rank's tensors (`fetch`, fingerprint from vLLM's own view: the
+   checkpoint's headers, architecture, TP and PP size, global rank, dtype, quantization,
+   revision, `vllm.__version__`, the KV-cache dtype and the kernel-selecting variables);
 2. on a hit, builds vLLM's model on the target device with every parameter's storage released
-   as it is registered (so no weight memory is allocated, while buffers vLLM computes at
-   construction, rotary caches and attention scales, are computed for real), then points each
-   parameter at its cache tensor, keeping vLLM's parameter objects and their weight loaders;
-3. runs vLLM's `process_weights_after_loading`, as the default loader does;
-4. on any miss, logs one line naming the reason and loads with vLLM's default loader, or
-   raises with `fallback: false`.
+   as it is registered (no weight memory is allocated, while the buffers vLLM computes at
+   construction are computed for real), and compares its kernel plan with the fill's;
+3. installs the cached tensors: for stage "processed" (vLLM's state after
+   `process_weights_after_loading`), every parameter and buffer, dropping what processing
+   dropped, then runs vLLM's pre-processed pass (`weights_already_processed()`), mends the gaps
+   that pass leaves (`mend_gaps`) and compares the attribute signature with the fill's; for stage
+   "loaded", vLLM's parameter objects are pointed at the cache and processing runs as usual;
+4. on any miss (no daemon, a differing fingerprint, kernel plan or signature) releases the lease,
+   logs one line naming the reason and loads with vLLM's default loader, or raises with
+   `fallback: false`. A model is never half loaded: the default loader builds a new one.
 
 Options come from `--model-loader-extra-config`: `mode` (zero_copy | copy), `fallback`
 (default true), `socket_dir`, `connect_timeout_s`.
@@ -20,7 +25,9 @@ Options come from `--model-loader-extra-config`: `mode` (zero_copy | copy), `fal
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +40,9 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from .client import MODES, Weights, cached_bytes, fetch, fit_error
-from .errors import CacheMiss, FastStartError
+from . import vllm_rules, vllm_state
+from .client import MODES, Weights, cached_bytes, fetch, fit_error, release
+from .errors import CacheMiss, FastStartError, QuantizationError
 from .fingerprint import WeightSpec
 from .dtypes import MODEL, torch_dtype
 
@@ -50,7 +58,34 @@ def register() -> None:
     global _registered
     if not _registered:
         register_model_loader(LOAD_FORMAT)(FastStartLoader)
+        if not hasattr(BaseModelLoader, "get_external_weight_memory"):
+            _count_mapped_weights()
         _registered = True
+
+
+def _count_mapped_weights() -> None:
+    """vLLM before 0.32 cannot be told about weights mapped from elsewhere (it gained
+    `get_external_weight_memory` in 0.32) and would size the KV cache as if they were free:
+    count them as the model's memory in both GPU model runners, as the default loader's copy
+    would be counted."""
+    import importlib
+    for module in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"):
+        try:
+            runner = importlib.import_module(module).GPUModelRunner
+        except (ImportError, AttributeError):      # a build without that runner
+            continue
+        runner.load_model = _counting(runner.load_model)
+
+
+def _counting(load_model):
+    def counted(self, *args, **kwargs):
+        result = load_model(self, *args, **kwargs)
+        mapped = getattr(self.get_model(), "fast_start_mapped_bytes", 0)
+        if mapped:
+            self.model_memory_usage += mapped
+            log.info("fast-start: %.2f GiB mapped from the daemon counted as the model's memory", mapped / 2**30)
+        return result
+    return counted
 
 
 # Each option's JSON types and how an error message names them.
@@ -117,42 +152,68 @@ class FastStartLoader(BaseModelLoader):
     def load_model(self, vllm_config, model_config, prefix: str = "") -> torch.nn.Module:
         o = self.options
         device = _device(vllm_config)
+        weights, registered = None, _registrations(vllm_config)
         try:
             spec = weight_spec(model_config, vllm_config)
             weights = fetch(spec, device, o.mode, fallback=False, socket_dir=o.socket_dir,
                             connect_timeout=o.connect_timeout_s)
             model = build(vllm_config, model_config, prefix, device)
-            install(model, weights)
+            prepare(model, weights, model_config, device)
         except FastStartError as miss:
+            if weights is not None:
+                model = None        # drop the half-installed model (and its mappings) before the disk load
+                release(weights, o.connect_timeout_s)
+                _forget_layers(vllm_config, registered)
             if not o.fallback:
                 raise
             fields = getattr(miss, "fields", ())
             log.warning("fast-start: cache miss for %s (%s%s); loading with vLLM's default loader",
                         model_config.model, miss.what, f"; differing fields: {', '.join(fields)}" if fields else "")
             return self.default_loader().load_model(vllm_config, model_config, prefix)
-        log.info("fast-start: %d tensors (%.1f MiB) for TP rank %d of %d from the cache (%s)", len(weights),
-                 sum(t.nbytes for t in weights.tensors.values()) / 2**20, spec.rank, spec.tensor_parallel_size, o.mode)
-        with set_default_torch_dtype(model_config.dtype):
-            vllm_utils.process_weights_after_loading(model, model_config, device)
+        log.info("fast-start: %d tensors (%.1f MiB, %s) for rank %d of %d from the cache (%s)", len(weights),
+                 sum(t.nbytes for t in weights.tensors.values()) / 2**20, weights.engine.get("stage", "loaded"),
+                 spec.rank, spec.tensor_parallel_size * spec.pipeline_parallel_size, o.mode)
         model.fast_start_source = weights.source
+        if o.mode == "zero_copy":       # read by _count_mapped_weights on vLLM < 0.32
+            model.fast_start_mapped_bytes = sum(t.nbytes for t in weights.tensors.values())
         return model.eval()
+
+
+def _registrations(vllm_config) -> tuple[set, list]:
+    """The layers vLLM has registered by name so far (attention and MoE layers register at construction)."""
+    c = vllm_config.compilation_config
+    return set(c.static_forward_context), list(getattr(c, "static_all_moe_layers", []))
+
+
+def _forget_layers(vllm_config, registered: tuple[set, list]) -> None:
+    """Unregister the layers of a model built and turned down, so the default loader can build it again."""
+    c = vllm_config.compilation_config
+    for name in set(c.static_forward_context) - registered[0]:
+        del c.static_forward_context[name]
+    if hasattr(c, "static_all_moe_layers"):
+        c.static_all_moe_layers[:] = registered[1]
 
 
 def weight_spec(model_config, vllm_config) -> WeightSpec:
     """What this engine process needs, in fast-start's terms; raises CacheMiss where it cannot say."""
-    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
     parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise CacheMiss("pipeline parallelism is not cached", "use tensor parallelism only")
-    if model_config.quantization:
-        raise CacheMiss(f"vLLM quantization {model_config.quantization!r} is not cached by layout \"vllm\"",
-                        "run the model unquantized, or without --load-format fast_start")
+    if getattr(parallel, "enable_expert_parallel", False):
+        raise CacheMiss("expert parallelism is not cached", "run without --enable-expert-parallel")
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    quantization = model_config.quantization or "none"
+    try:
+        vllm_rules.check(quantization, tp)
+    except QuantizationError as e:
+        raise CacheMiss(e.what, e.fix) from None
     dtype = next((name for name in MODEL if torch_dtype(name) == model_config.dtype), None)
     if dtype is None:
         raise CacheMiss(f"dtype {model_config.dtype} is not cached", f"use one of {', '.join(MODEL)}")
-    return WeightSpec(_local_folder(model_config), parallel.tensor_parallel_size, get_tensor_model_parallel_rank(),
-                      dtype, "none", "vllm", model_config.revision or "main", vllm.__version__)
+    rank = get_pp_group().rank_in_group * tp + get_tensor_model_parallel_rank()
+    options = vllm_rules.engine_options(os.environ, vllm_config.cache_config.cache_dtype, pp)
+    return WeightSpec(_local_folder(model_config), tp, rank, dtype, quantization, "vllm",
+                      model_config.revision or "main", vllm.__version__, pp, options)
 
 
 def _local_folder(model_config) -> str:
@@ -193,6 +254,138 @@ def _release_storage(module: torch.nn.Module, name: str, param: torch.nn.Paramet
     storage = param.untyped_storage()
     if param.storage_offset() == 0 and storage.nbytes() == param.nbytes and storage.resizable():
         storage.resize_(0)      # only a parameter that owns its whole storage; never someone's view
+
+
+def prepare(model: torch.nn.Module, weights: Weights, model_config, device: torch.device) -> None:
+    """Install `weights` into the weightless `model` and bring it to vLLM's runtime state; raises
+    CacheMiss where the fill's kernels or resulting state differ from this engine's."""
+    engine = weights.engine
+    if "plan" in engine:
+        differs = vllm_state.differences(engine["plan"], vllm_state.kernel_plan(model))
+        if differs:
+            raise CacheMiss("this engine chose other kernels than the fill: " + "; ".join(differs),
+                            "fill with the engine's settings (engine_env, kv_cache_dtype, worker python, GPU)")
+    if engine.get("stage", "loaded") == "loaded":
+        install(model, weights)
+        with set_default_torch_dtype(model_config.dtype):
+            vllm_utils.process_weights_after_loading(model, model_config, device)
+        return
+    from vllm.model_executor.utils import weights_already_processed
+    install_processed(model, weights, engine)
+    told = _mark_processed_online_layers(model, engine["signature"])
+    try:
+        with set_default_torch_dtype(model_config.dtype), weights_already_processed():
+            vllm_utils.process_weights_after_loading(model, model_config, device)
+    except RuntimeError as e:       # a quant method without a pre-processed pass
+        raise CacheMiss(f"vLLM cannot install processed weights here: {e}", "serve it without fast-start") from None
+    finally:
+        for method in told:
+            del method.supports_pre_processed_weights
+    mend_gaps(model, engine["signature"])
+    differs = vllm_state.differences(engine["signature"], vllm_state.signature(model))
+    if differs:
+        raise CacheMiss("vLLM's pre-processed pass left other state than the fill's processing: " + "; ".join(differs),
+                        "report this with your vLLM version; the default loader is used meanwhile")
+
+
+def install_processed(model: torch.nn.Module, weights: Weights, engine: dict) -> None:
+    """Every parameter and buffer of the fill's processed model, by name: parameters become
+    Parameters over the cached tensors (keeping the attributes vLLM set on the constructed ones,
+    tied names one object), those processing dropped are dropped, buffers are copied."""
+    buffers, removed = set(engine["buffers"]), set(engine["removed"])
+    cached = [*weights.tensors, *weights.aliases]
+    own = dict(model.named_parameters(remove_duplicate=False))
+    missing = [n for n in own if n not in weights.tensors and n not in weights.aliases and n not in removed]
+    modules = dict(model.named_modules())
+    unplaced = [n for n in cached if n.rpartition(".")[0] not in modules]
+    if missing or unplaced:
+        raise fit_error(missing, unplaced, [], "fill with the engine's vLLM, model, TP/PP size and dtype")
+    made: dict[int, torch.nn.Parameter] = {}
+    for name in cached:
+        owner, _, leaf = name.rpartition(".")
+        module, tensor = modules[owner], weights[name]
+        if name in buffers:
+            module._buffers[leaf] = tensor.clone()
+            continue
+        param = made.get(id(tensor))
+        if param is None:
+            param = made[id(tensor)] = torch.nn.Parameter(tensor, requires_grad=False)
+            old = own.get(name)
+            if old is not None:
+                param.__dict__.update({k: v for k, v in old.__dict__.items() if k not in param.__dict__})
+        if leaf in module._parameters:
+            del module._parameters[leaf]
+        elif leaf in module.__dict__:
+            delattr(module, leaf)
+        module._parameters[leaf] = param
+    for name in removed:
+        owner, _, leaf = name.rpartition(".")
+        if hasattr(modules[owner], leaf):
+            delattr(modules[owner], leaf)
+
+
+_ONLINE_DONE = "_already_called_process_weights_after_loading"
+
+
+def _mark_processed_online_layers(model: torch.nn.Module, signature: dict) -> list:
+    """Online quantization methods have no pre-processed pass, but guard against running twice:
+    a layer the fill recorded as processed is marked so (with the attributes its processing set
+    to None), and its method lets vLLM's pass through. Returns the methods told (the caller
+    removes the instance flag again)."""
+    told = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or getattr(method, "supports_pre_processed_weights", True) or name not in signature["modules"]:
+            continue
+        recorded = json.loads(signature["table"][signature["modules"][name]])
+        if recorded.get(_ONLINE_DONE) == "True":
+            setattr(module, _ONLINE_DONE, True)
+            for key, value in recorded.items():     # what its processing reset (input_scale = None)
+                if value == "None" and "." not in key and not hasattr(module, key):
+                    setattr(module, key, None)
+            method.supports_pre_processed_weights = True
+            told.append(method)
+    return told
+
+
+def mend_gaps(model: torch.nn.Module, signature: dict) -> None:
+    """State vLLM's processing sets and its pre-processed pass (vLLM 0.30–0.33) does not:
+
+    - `deep_gemm_warmup_provider`: the DeepGEMM kernel object, which the JIT warm-up reads (else
+      kernels compile on live requests);
+    - `logical_output_size` of the per-tensor FP8 CUTLASS kernel (else the first forward asserts).
+
+    Each is taken from the fill's signature, and only where the engine's own kernel is the one
+    the fill recorded.
+    """
+    table, modules = signature["table"], signature["modules"]
+    for name, module in model.named_modules():
+        if name not in modules:
+            continue
+        recorded = json.loads(table[modules[name]])
+        want = recorded.get("deep_gemm_warmup_provider")
+        if want and not hasattr(module, "deep_gemm_warmup_provider"):
+            kernel = _find_kernel(getattr(module, "quant_method", None), want)
+            if kernel is not None:
+                module.deep_gemm_warmup_provider = kernel
+        size = recorded.get("quant_method.fp8_linear.logical_output_size")
+        kernel = getattr(getattr(module, "quant_method", None), "fp8_linear", None)
+        if size not in (None, "None") and kernel is not None and getattr(kernel, "logical_output_size", 0) is None:
+            kernel.logical_output_size = int(size)
+
+
+def _find_kernel(method, described: str):
+    """The object under `method` (two levels down) that `vllm_state.describe` names `described`."""
+    if method is None:
+        return None
+    level = [method]
+    for _ in range(3):
+        for obj in level:
+            if vllm_state.describe(obj) == described:
+                return obj
+        level = [v for obj in level for v in vars(obj).values() if hasattr(v, "__dict__")
+                 and not isinstance(v, (torch.nn.Module, torch.Tensor))]
+    return None
 
 
 def install(model: torch.nn.Module, weights: Weights) -> None:

@@ -55,12 +55,38 @@ def data_plane():
     return arena, materialize, open_checkpoint
 
 
+def by_vllm(spec: WeightSpec) -> bool:
+    """Whether vLLM itself fills this model: layout "vllm" where this environment has vLLM (else
+    fast-start's own tables build vLLM's as-loaded layout, for the architectures they know)."""
+    return spec.layout == "vllm" and "vllm" in engines()
+
+
 def check(sock: socket.socket, job: protocol.CheckJob, fds) -> None:
+    spec = WeightSpec(**job.spec)
+    if by_vllm(spec):
+        protocol.send(sock, protocol.Checked(job.model, estimate(spec)))
+        return
     _, materialize, open_checkpoint = data_plane()
     from .manifest import pack
-    spec = WeightSpec(**job.spec)
     _, sizes = pack(materialize.plan(open_checkpoint(spec.path), spec))
     protocol.send(sock, protocol.Checked(job.model, sum(sizes)))
+
+
+def estimate(spec: WeightSpec) -> int:
+    """A vLLM rank's bytes before vLLM builds it, from the headers: the checkpoint's, with wider
+    floats cast to the model dtype, split over the ranks (replicated tensors add some)."""
+    from pathlib import Path
+    from . import dtypes, vllm_rules
+    from .fingerprint import fingerprint
+    from .headers import tensor_bytes
+    vllm_rules.check(fingerprint(spec).quantization, spec.tensor_parallel_size)
+    size = dtypes.BY_NAME[spec.dtype].itemsize
+    total = 0
+    for _, code, nbytes in tensor_bytes(Path(spec.path)):
+        d = dtypes.BY_CODE.get(code)
+        floating = d is not None and d.name.startswith(("float", "bfloat")) and d.itemsize > 1
+        total += nbytes // d.itemsize * size if floating else nbytes
+    return total // (spec.tensor_parallel_size * spec.pipeline_parallel_size)
 
 
 def fill(sock: socket.socket, job: protocol.FillJob, fds) -> None:
@@ -77,7 +103,11 @@ def fill(sock: socket.socket, job: protocol.FillJob, fds) -> None:
             last[0] = now
             protocol.send(sock, protocol.Progress(job.model, spec.rank, done, total))
 
-    manifest, arena_fds = materialize.materialize(spec, job.device, progress=progress)
+    if by_vllm(spec):
+        from . import vllm_fill
+        manifest, arena_fds = vllm_fill.fill(spec, job.device, progress)
+    else:
+        manifest, arena_fds = materialize.materialize(spec, job.device, progress=progress)
     try:
         protocol.send(sock, protocol.Filled(job.model, manifest.to_dict(), time.monotonic() - start), arena_fds)
     finally:
@@ -87,7 +117,9 @@ def fill(sock: socket.socket, job: protocol.FillJob, fds) -> None:
 
 def verify(sock: socket.socket, job: protocol.VerifyJob, fds) -> None:
     """Checksums of arenas (re-adopted from the fd store, or mapped for `verify --deep`) against
-    their manifest; with a spec, also the bytes derived from disk, one tensor at a time."""
+    their manifest; with a spec, also the bytes derived from disk, one tensor at a time (not for a
+    model vLLM filled: its processed bytes come from vLLM's kernels, so the checksums recorded at
+    its fill are what it is checked against)."""
     arena, materialize, open_checkpoint = data_plane()
     import torch
     from .manifest import Manifest
@@ -97,7 +129,7 @@ def verify(sock: socket.socket, job: protocol.VerifyJob, fds) -> None:
     cached = arena.tensors(manifest, fds, "zero_copy", torch.device(device))
     want = {e.name: e.checksum for e in manifest.tensors}
     bad = [n for n, s in want.items() if arena.checksum(cached[n]) != s]
-    if job.spec:
+    if job.spec and manifest.engine.get("engine") != "vllm":
         spec = WeightSpec(**job.spec)
         ckpt = open_checkpoint(spec.path)
         seen, done, total = set(), 0, sum(e.nbytes for e in manifest.tensors)

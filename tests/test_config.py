@@ -1,6 +1,7 @@
 """The TOML config: the example validates, and every mistake names the file, the key and the fix."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def test_example_config_validates(small, tmp_path):
     (("gpus = [0, 1]", "gpus = [0, 0]"), "key 'gpus' [0, 0] lists a GPU twice"),
     (("rank_offset = 0", "rank_offset = 1"), "key 'rank_offset' 1 with 2 GPUs serves ranks beyond 1"),
     (('quantization = "none"', 'quantization = "int3"'), "key 'quantization' is 'int3'"),
-    (('quantization = "none"', 'quantization = "nvfp4-checkpoint"'), "'nvfp4-checkpoint' is not verified for sharing"),
+    (('quantization = "none"', 'quantization = "fp8_per_block"'), "'fp8_per_block' is refused: online block FP8"),
     (('layout = "vllm"', 'layout = "hf"'), "key 'engine_version' is \"auto\", which only a vLLM model"),
     (('# worker_python = "/opt', 'worker_python = "opt'), "key 'worker_python' is 'opt"),
     (('# python = "/opt', 'python = "opt'), "key 'python' is 'opt"),
@@ -79,3 +80,35 @@ def test_duplicate_model_names(small, tmp_path):
                                              ("95%", 1000, 950), ("1048576", None, 2**20)])
 def test_parse_bytes(text, total, want):
     assert configs.parse_bytes(text, total) == want
+
+
+@pytest.mark.parametrize("model,message", [
+    ({"pipeline_parallel_size": 2, "layout": "hf"}, "pipeline stages are cached for layout = \"vllm\" only"),
+    ({"pipeline_parallel_size": 0}, "key 'pipeline_parallel_size' is 0"),
+    ({"gpus": [0, 1, 2], "pipeline_parallel_size": 1}, "serves ranks beyond 1"),
+    ({"engine_env": ["CUDA_VISIBLE_DEVICES=0"]}, "is not NAME=VALUE with a kernel-selecting variable"),
+    ({"engine_env": ["VLLM_USE_DEEP_GEMM"]}, "is not NAME=VALUE"),
+    ({"quantization": "gptq"}, "vLLM quantization 'gptq' is not verified for caching"),
+])
+def test_vllm_model_keys_are_checked(small, tmp_path, model, message):
+    """A vLLM model's PP size, ranks, kernel variables and quantization are refused with the fix."""
+    from devtools.harness import write_config
+    entry = {"name": "m", "path": str(small), "gpus": [0, 1], "tensor_parallel_size": 2, "layout": "vllm", **model}
+    with pytest.raises(ConfigError) as err:
+        configs.load(write_config(tmp_path / "fs.toml", tmp_path / "run", [entry]))
+    assert message in str(err.value) and err.value.fix
+
+
+def test_vllm_spec_carries_pipeline_rank_and_kernel_variables(small, tmp_path, monkeypatch):
+    """GPU i serves global rank gpus.index(i) + rank_offset; engine_env and the daemon's own
+    kernel variables both enter the fingerprint's engine_options."""
+    from devtools.harness import write_config
+    monkeypatch.setenv("VLLM_DISABLED_KERNELS", "X")
+    monkeypatch.setenv("VLLM_NOT_A_KERNEL_SWITCH", "1")
+    cfg = configs.load(write_config(tmp_path / "fs.toml", tmp_path / "run", [
+        {"name": "m", "path": str(small), "gpus": [3], "tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+         "rank_offset": 2, "layout": "vllm", "engine_env": ["VLLM_USE_DEEP_GEMM=0"]}]))
+    spec = cfg.models[0].spec(3)
+    assert (spec.rank, spec.pipeline_parallel_size) == (2, 2)
+    assert json.loads(spec.engine_options) == {"env": {"VLLM_DISABLED_KERNELS": "X", "VLLM_USE_DEEP_GEMM": "0"},
+                                               "kv_cache_dtype": "auto", "pp": 2}

@@ -79,7 +79,7 @@ def test_vllm_layout_cache_equals_disk_and_plan(model, tmp_path):
     disk = tensors(model, 2, 1, "vllm")
     manifest, fds = materialize(spec)
     cached = from_arenas(manifest, fds)
-    assert manifest.aliases == {} and manifest.fingerprint.layout == "vllm/1"
+    assert manifest.aliases == {} and manifest.fingerprint.layout == "vllm/2"
     assert [(n, tuple(t.shape)) for n, t in disk.items()] == [(n, s) for n, _, s in plan(open_checkpoint(model), spec)]
     assert all(torch.equal(cached[n], t) for n, t in disk.items()) and set(cached) == set(disk)
 
@@ -95,7 +95,7 @@ def test_rank_past_the_real_vocabulary_holds_only_zeros(tmp_path):
 
 
 def test_vllm_layout_refuses_quantization_and_hf_refuses_indivisible_vocab(model):
-    with pytest.raises(QuantizationError, match="layout \"vllm\" caches unquantized weights only"):
+    with pytest.raises(QuantizationError, match="own tables caches unquantized weights only"):
         plan(open_checkpoint(model), WeightSpec(str(model), layout="vllm", quantization="fp8"))
     with pytest.raises(ShardError, match=r"vocab_size \(1000\)"):
         plan(open_checkpoint(model), WeightSpec(str(model), 16, 0))

@@ -46,12 +46,16 @@ def arenas() -> list[tuple[int, int]]:
     return out
 
 
+AS_LOADED = {}    # id(model) -> (digests, parameters outside every arena); kept off the model, whose
+                  # attributes the fast-start loader compares with the fill's
+
+
 def record_as_loaded(original):
     def wrapped(model, model_config, target_device):
-        model.as_loaded = {n: digest(p) for n, p in model.named_parameters()}
         mapped = arenas()
-        model.outside_arena = [n for n, p in model.named_parameters()
-                               if not any(lo <= p.data_ptr() and p.data_ptr() + p.nbytes <= hi for lo, hi in mapped)]
+        AS_LOADED[id(model)] = ({n: digest(p) for n, p in model.named_parameters()},
+                                [n for n, p in model.named_parameters()
+                                 if not any(lo <= p.data_ptr() and p.data_ptr() + p.nbytes <= hi for lo, hi in mapped)])
         return original(model, model_config, target_device)
     return wrapped
 
@@ -62,19 +66,22 @@ loader_utils.process_weights_after_loading = base_loader.process_weights_after_l
 
 
 def report(config, model: torch.nn.Module) -> dict:
-    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+    rank = get_pp_group().rank_in_group * config.parallel_config.tensor_parallel_size + get_tensor_model_parallel_rank()
     external = get_model_loader(config.load_config).get_external_weight_memory(config)
     final = {n: digest(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    return {"rank": get_tensor_model_parallel_rank(), "as_loaded": model.as_loaded, "final": final,
-            "outside_arena": model.outside_arena,
+    as_loaded, outside = AS_LOADED[id(model)]
+    return {"rank": rank, "as_loaded": as_loaded, "final": final, "outside_arena": outside,
             "source": getattr(model, "fast_start_source", None), "external_bytes": external}
 
 
 def main() -> None:
     args = json.loads(sys.argv[1])
-    if args["tp"] > 1:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args["tp"])))
+    ranks = args["tp"] * args.get("pp", 1)
+    if ranks > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % os.cpu_count()) for i in range(ranks)))
     llm = LLM(args["model"], load_format=args.get("load_format", "auto"), tensor_parallel_size=args["tp"],
+              pipeline_parallel_size=args.get("pp", 1), quantization=args.get("quantization"),
               model_loader_extra_config=args.get("extra") or {}, dtype=args.get("dtype", "bfloat16"),
               skip_tokenizer_init=True, max_model_len=256, enforce_eager=True, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=12, detokenize=False)

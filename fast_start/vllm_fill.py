@@ -1,0 +1,232 @@
+"""The fill of a `layout = "vllm"` model: vLLM itself builds, loads and processes one rank.
+
+Runs in the fill worker, with the engine's interpreter (`python` / `worker_python`), so the
+bytes come from the engine's own vLLM, torch and kernels. For the rank the daemon serves it:
+
+1. sets the kernel-selecting variables the fingerprint names (`engine_options`), builds vLLM's
+   config from the model's settings, and stands in for the TP and PP groups with groups of one
+   process that pose as rank r of n (any collective raises: a fill that needs peers fails loudly);
+2. builds vLLM's model for that rank (any architecture vLLM supports) and records the kernel
+   plan, loads the checkpoint with vLLM's default loader, and
+3. either runs `process_weights_after_loading` and exports every parameter and buffer
+   (stage "processed"; the engine installs them under vLLM's `weights_already_processed()`), or
+   exports the parameters as loaded (stage "loaded"; the engine runs the processing itself). The
+   loaded stage serves the CPU build with unquantized models (its processing turns linear weights
+   into oneDNN handles, which cannot be exported) and vLLM versions without the pre-processed
+   hook; it is checked here: processing must not change a byte of what was exported, since an
+   engine maps those bytes read-only.
+
+Storages are written once each, whole: tensors that share one (a transposed view, tied weights)
+share its bytes in the arena and keep their strides and offsets.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+from . import arena as arenas
+from . import vllm_rules, vllm_state
+from .errors import FastStartError
+from .fingerprint import WeightSpec, fingerprint
+from .manifest import ALIGN, ArenaEntry, Manifest, TensorEntry
+from .dtypes import name_of
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gatherv", "reduce_scatter", "reduce_scatterv", "gather",
+               "broadcast", "broadcast_object", "broadcast_object_list", "broadcast_tensor_dict", "send_object",
+               "recv_object", "send_tensor_dict", "recv_tensor_dict", "send", "recv", "barrier", "dispatch", "combine")
+
+
+def has_preprocessed_hook() -> bool:
+    """Whether this vLLM can install processed weights (`weights_already_processed`, vLLM ≥ 0.30)."""
+    import vllm.model_executor.utils as utils
+    return hasattr(utils, "weights_already_processed")
+
+
+def stage_for(device: str, quantization: str) -> str:
+    if device == "cpu" and quantization == "none":
+        return "loaded"
+    return "processed" if has_preprocessed_hook() else "loaded"
+
+
+def apply_env(options: dict) -> None:
+    """The kernel variables exactly as the fingerprint says (set ones set, the others unset)."""
+    env = options.get("env", {})
+    for name in vllm_rules.KERNEL_ENV:
+        if name in env:
+            os.environ[name] = env[name]
+        else:
+            os.environ.pop(name, None)
+
+
+def engine_config(spec: WeightSpec, options: dict):
+    from vllm.engine.arg_utils import EngineArgs
+    quantization = None if spec.quantization == "none" else spec.quantization
+    args = EngineArgs(model=spec.path, dtype=spec.dtype, quantization=quantization,
+                      tensor_parallel_size=spec.tensor_parallel_size,
+                      pipeline_parallel_size=spec.pipeline_parallel_size,
+                      kv_cache_dtype=options.get("kv_cache_dtype", "auto"), enforce_eager=True,
+                      skip_tokenizer_init=True, load_format="auto")
+    return args.create_engine_config()
+
+
+@contextlib.contextmanager
+def one_rank(spec: WeightSpec):
+    """Process groups of one, posing as this rank of the TP and PP groups; collectives raise.
+    Torn down afterwards: the worker fills the next model (dense or MoE, other sizes) afresh."""
+    from vllm.distributed import parallel_state as ps
+    store = tempfile.NamedTemporaryFile(prefix="fast-start-pg-", delete=False)
+    store.close()
+    os.unlink(store.name)
+    ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                    distributed_init_method=f"file://{store.name}")
+    ps.ensure_model_parallel_initialized(1, 1)
+    pp_rank, tp_rank = divmod(spec.rank, spec.tensor_parallel_size)
+    for group, rank, size in ((ps.get_tp_group(), tp_rank, spec.tensor_parallel_size),
+                              (ps.get_pp_group(), pp_rank, spec.pipeline_parallel_size)):
+        group.world_size, group.rank_in_group, group.ranks, group.rank = size, rank, list(range(size)), rank
+        if size > 1:
+            for op in COLLECTIVES:
+                if hasattr(group, op):
+                    setattr(group, op, _refuse(op, spec))
+    try:
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+
+
+def _refuse(op: str, spec: WeightSpec):
+    def refuse(*args, **kwargs):
+        raise FastStartError(f"vLLM asked for a {op} across ranks while filling rank {spec.rank}: this model's "
+                             "loading needs the other ranks, which a one-rank fill cannot reach",
+                             "serve it without fast-start (e.g. online quantization at TP > 1)")
+    return refuse
+
+
+def fill(spec: WeightSpec, device: str, progress: Callable[[int, int], None] | None = None
+         ) -> tuple[Manifest, list[int]]:
+    """Build, load and (stage "processed") process this rank with vLLM; export into a sealed arena."""
+    options = json.loads(spec.engine_options or "{}")
+    apply_env(options)
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()      # what the engine loads too: kernels and models registered by plugins
+    want = fingerprint(spec)
+    vllm_rules.check(want.quantization, spec.tensor_parallel_size)
+    config = engine_config(spec, options)
+    model_config, target = config.model_config, torch.device(device)
+    got = model_config.quantization or "none"
+    if got != want.quantization:
+        raise FastStartError(f"vLLM reads {spec.path} as quantization {got!r}, the fingerprint says "
+                             f"{want.quantization!r}", "set the model's quantization to what vLLM uses")
+    stage = stage_for(device, got)
+    try:
+        return _fill(spec, want, config, device, stage, progress)
+    finally:      # the worker lives on: give vLLM's copy of the weights back to the device
+        gc.collect()
+        if target.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _fill(spec: WeightSpec, want, config, device: str, stage: str, progress) -> tuple[Manifest, list[int]]:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import utils as loader_utils
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    model_config, target = config.model_config, torch.device(device)
+    with set_current_vllm_config(config), one_rank(spec):
+        with set_default_torch_dtype(model_config.dtype), target:
+            model = loader_utils.initialize_model(vllm_config=config, model_config=model_config)
+        plan = vllm_state.kernel_plan(model)
+        built = {n for n, _ in model.named_parameters()}
+        loader = DefaultModelLoader(config.load_config)
+        loader.counter_before_loading_weights = time.perf_counter()
+        loader.load_weights(model, model_config)
+        engine = {"engine": "vllm", "stage": stage, "plan": plan}
+        if stage == "processed":
+            with set_default_torch_dtype(model_config.dtype):
+                loader_utils.process_weights_after_loading(model, model_config, target)
+            named = [*_params(model), *model.named_buffers()]
+            engine.update(removed=sorted(built - {n for n, _ in model.named_parameters()}),
+                          buffers=[n for n, _ in model.named_buffers()], signature=vllm_state.signature(model))
+            manifest, fds = export(want, named, device, engine, progress)
+        else:
+            named = list(_params(model))
+            manifest, fds = export(want, named, device, engine, progress, keep=True)
+            loaded = {name: t.detach() for name, t in _unique(named)}   # processing may re-point a Parameter
+            with set_default_torch_dtype(model_config.dtype):
+                loader_utils.process_weights_after_loading(model, model_config, target)
+            changed = [e.name for e in manifest.tensors if arenas.checksum(loaded[e.name]) != e.checksum]
+            if changed:
+                for fd in fds:
+                    os.close(fd)
+                raise FastStartError(f"vLLM's processing rewrote {len(changed)} loaded tensors in place "
+                                     f"({', '.join(changed[:3])}); an engine could not run it over read-only "
+                                     "cache memory", "use vLLM 0.30 or later, whose pre-processed pass skips it")
+    return manifest, fds
+
+
+def _params(model: torch.nn.Module):
+    return model.named_parameters(remove_duplicate=False)
+
+
+def _unique(named) -> list[tuple[str, torch.Tensor]]:
+    seen, out = set(), []
+    for name, t in named:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((name, t))
+    return out
+
+
+def export(want, named, device: str, engine: dict, progress=None, keep: bool = False) -> tuple[Manifest, list[int]]:
+    """Write each distinct storage behind `named` once into one arena; entries keep strides.
+
+    Names of one tensor object (tied weights) become aliases. Unless `keep`, each storage is
+    freed once written, so the fill's peak stays near the model plus the arena.
+    """
+    unique = _unique(named)
+    first = {id(t): name for name, t in unique}
+    aliases = {name: first[id(t)] for name, t in named if first[id(t)] != name}
+    bases, cursor, storages = {}, 0, []
+    for _, t in unique:
+        s = t.untyped_storage()
+        key = (s.data_ptr(), s.nbytes()) if s.nbytes() else ("empty", id(t))
+        if key not in bases:
+            bases[key] = cursor
+            storages.append((cursor, s))
+            cursor += -(-s.nbytes() // ALIGN) * ALIGN
+    entries = []
+    for name, t in unique:
+        s = t.untyped_storage()
+        offset = bases[(s.data_ptr(), s.nbytes()) if s.nbytes() else ("empty", id(t))] + t.storage_offset() * t.itemsize
+        stride = () if t.is_contiguous() and offset % ALIGN == 0 else tuple(t.stride())
+        entries.append(TensorEntry(name, name_of(t.dtype), tuple(t.shape), 0, offset, t.numel() * t.itemsize,
+                                   arenas.checksum(t), stride))
+    writer = arenas.create(max(cursor, ALIGN), device, f"vllm-{want.checkpoint[:12]}-r{want.rank}")
+    try:
+        done = 0
+        for base, s in storages:
+            if s.nbytes():
+                writer.write(base, torch.empty(0, dtype=torch.uint8, device=s.device).set_(s))
+                done += s.nbytes()
+                if not keep and s.resizable():
+                    s.resize_(0)
+            if progress:
+                progress(done, cursor)
+        fd = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    manifest = Manifest(want, (ArenaEntry(writer.size, writer.device),), tuple(entries), aliases, engine)
+    manifest.validate()
+    return manifest, [fd]
+

@@ -1,0 +1,86 @@
+"""What a vLLM fill depends on besides the checkpoint, and which quantizations it may cache.
+
+Read without torch or vLLM: the config checks a `[[model]]` with it, the daemon and the engine's
+plugin both compute the fingerprint's `engine_options` with it (so they agree by construction).
+
+The bytes vLLM holds after `process_weights_after_loading` depend on the kernels it chose at
+construction, and so on the environment variables that steer that choice. `KERNEL_ENV` lists
+them; their values where set, the KV-cache dtype and the pipeline layout go into the fingerprint.
+The kernel plan recorded at fill (`vllm_state.kernel_plan`) catches whatever this list misses.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .errors import QuantizationError
+
+KERNEL_ENV = (
+    "VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM", "VLLM_USE_DEEP_GEMM_E8M0",
+    "VLLM_USE_DEEP_GEMM_TMA_ALIGNED_SCALES", "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER", "VLLM_DISABLED_KERNELS",
+    "VLLM_BATCH_INVARIANT", "VLLM_PP_LAYER_PARTITION", "VLLM_MARLIN_INPUT_DTYPE", "VLLM_MOE_SKIP_PADDING",
+    "VLLM_ROCM_FP8_PADDING", "VLLM_ROCM_MOE_PADDING", "VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD",
+)
+
+
+@dataclass(frozen=True)
+class Rule:
+    quantization: str        # vLLM's name (`model_config.quantization`); "none" = unquantized
+    allowed: bool
+    max_tp: int | None       # None: any TP size
+    why: str
+
+
+# Checked when the daemon starts; a quantization not listed is refused, naming it.
+RULES = {r.quantization: r for r in (
+    Rule("none", True, None, "unquantized: cached after vLLM's processing (CUDA) or as loaded (CPU)"),
+    Rule("fp8", True, None, "FP8 checkpoints with block, per-channel or per-tensor scales: cached after "
+         "vLLM's processing and installed with vLLM's pre-processed pass"),
+    Rule("fp8_per_channel", True, 1, "online per-channel FP8: local per rank at TP 1; at TP > 1 its scales "
+         "need an all-reduce across the TP group, which a one-rank fill cannot do"),
+    Rule("fp8_per_tensor", True, 1, "online per-tensor FP8: its amax is all-reduced across the TP group at TP > 1"),
+    Rule("fp8_per_block", False, None, "online block FP8 has not been verified against vLLM's default loader"),
+)}
+
+
+def check(quantization: str, tensor_parallel_size: int) -> None:
+    """Raise QuantizationError naming the method and why, unless fast-start may cache it."""
+    rule = RULES.get(quantization)
+    if rule is None:
+        allowed = ", ".join(q for q, r in RULES.items() if r.allowed)
+        raise QuantizationError(f"vLLM quantization {quantization!r} is not verified for caching",
+                                f"serve it without fast-start, or use one of {allowed}")
+    if not rule.allowed:
+        raise QuantizationError(f"vLLM quantization {quantization!r} is refused: {rule.why}",
+                                "serve it without fast-start")
+    if rule.max_tp is not None and tensor_parallel_size > rule.max_tp:
+        raise QuantizationError(f"vLLM quantization {quantization!r} at TP {tensor_parallel_size} is refused: "
+                                f"{rule.why}", "use an FP8 checkpoint, or TP 1")
+
+
+def resolve(configured: str, checkpoint_quantization: dict | None) -> str:
+    """The quantization vLLM will report: the configured `--quantization`, else the checkpoint's."""
+    if configured != "none":
+        return configured
+    method = (checkpoint_quantization or {}).get("quant_method")
+    return str(method) if method else "none"
+
+
+def engine_options(environ: dict[str, str], kv_cache_dtype: str, pipeline_parallel_size: int) -> str:
+    """The fingerprint's `engine_options`: canonical JSON of what steers vLLM's processed bytes."""
+    env = {k: environ[k] for k in KERNEL_ENV if k in environ}
+    return json.dumps({"env": env, "kv_cache_dtype": kv_cache_dtype, "pp": pipeline_parallel_size},
+                      sort_keys=True, separators=(",", ":"))
+
+
+def parse_env(assignments: tuple[str, ...], where: str) -> dict[str, str]:
+    """`["VLLM_USE_DEEP_GEMM=0", ...]` as a dict; each name must be one of KERNEL_ENV."""
+    out = {}
+    for a in assignments:
+        name, eq, value = a.partition("=")
+        if not eq or name not in KERNEL_ENV:
+            raise QuantizationError(f"{where}: engine_env entry {a!r} is not NAME=VALUE with a kernel-selecting "
+                                    "variable", f"use one of {', '.join(KERNEL_ENV)}; set other variables "
+                                    "in the unit's Environment=")
+        out[name] = value
+    return out

@@ -1,0 +1,106 @@
+"""What a vLLM model holds besides its tensors: the kernel plan and the attribute signature.
+
+Both the fill worker (which runs vLLM's own loader and processing for one rank) and the engine's
+plugin (which installs those tensors into a weightless model) describe their model the same way,
+and the plugin refuses the cache where the two differ:
+
+- the **kernel plan** is every quantized module's quant method, the kernel objects it chose at
+  construction and the flags that chose them (`fp8_linear`, `use_marlin`, `block_quant`, the MoE
+  backend...). Kernels are picked before any weight exists, so the engine compares its plan with
+  the fill's before it touches the cache: another GPU generation, another backend variable or
+  another library version shows up here.
+- the **attribute signature** is every module's Python-side state after processing (attribute
+  names, types, small values, tensor dtypes and shapes), quant methods and kernels included. The
+  engine takes it after vLLM's pre-processed pass: state that pass does not rebuild shows up here.
+
+Both are stored grouped (`{"table": [description, ...], "modules": {name: index}}`), since most
+layers of a model describe alike.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import re
+
+import torch
+
+_MODULE_KEYS = frozenset(vars(torch.nn.Module()))       # torch's own bookkeeping on every module
+_NESTED = re.compile(r"(Kernel|Method|Experts)$")     # objects whose own state is recorded too
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def describe(value) -> str:
+    """A value as the signature records it: small values exactly, objects (configs too) by type."""
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if isinstance(value, _SCALARS):
+        text = repr(value)
+        return text if len(text) <= 96 else f"str of {len(value)}"
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, torch.Tensor):
+        return f"tensor {str(value.dtype).removeprefix('torch.')} {tuple(value.shape)} {value.device.type}"
+    if isinstance(value, (tuple, list)) and len(value) <= 16 and all(isinstance(v, _SCALARS) for v in value):
+        return repr(tuple(value))
+    return f"<{type(value).__qualname__}>"
+
+
+def _state(obj, prefix: str, out: dict, depth: int) -> None:
+    for key, value in vars(obj).items():
+        if key in _MODULE_KEYS:
+            continue
+        out[prefix + key] = describe(value)
+        if (depth and not isinstance(value, torch.nn.Module) and hasattr(value, "__dict__")
+                and _NESTED.search(type(value).__name__)):      # vLLM's, or a plugin's
+            _state(value, f"{prefix}{key}.", out, depth - 1)
+
+
+def _grouped(per_module: dict[str, dict]) -> dict:
+    table, index, modules = [], {}, {}
+    for name, state in per_module.items():
+        text = json.dumps(state, sort_keys=True, separators=(",", ":"))
+        if text not in index:
+            index[text] = len(table)
+            table.append(text)
+        modules[name] = index[text]
+    return {"table": table, "modules": modules}
+
+
+def kernel_plan(model: torch.nn.Module) -> dict:
+    """Each quantized module's quant method and kernels, as chosen at construction."""
+    per_module = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            state = {"quant_method": describe(method)}
+            _state(method, "quant_method.", state, 2)
+            per_module[name] = state
+    return _grouped(per_module)
+
+
+def signature(model: torch.nn.Module) -> dict:
+    """Every module's Python-side state (its quant method and kernels included)."""
+    per_module = {}
+    for name, module in model.named_modules():
+        state = {"class": describe(module)}
+        _state(module, "", state, 2)
+        own = repr(name)      # a layer's own name (prefix, layer_name) would make every layer unique
+        per_module[name] = {k: "<own name>" if v == own else v for k, v in state.items()}
+    return _grouped(per_module)
+
+
+def differences(cached: dict, own: dict, limit: int = 3) -> list[str]:
+    """What differs between two grouped descriptions, as "module: key cached -> own" lines."""
+    out = []
+    mine, theirs = own["modules"], cached["modules"]
+    for name in [*theirs, *(n for n in mine if n not in theirs)]:
+        if name not in mine or name not in theirs:
+            out.append(f"{name or '<model>'}: {'only in the cache' if name in theirs else 'not in the cache'}")
+        elif mine[name] is not None and own["table"][mine[name]] != cached["table"][theirs[name]]:
+            a, b = json.loads(cached["table"][theirs[name]]), json.loads(own["table"][mine[name]])
+            keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            out.append(f"{name or '<model>'}: " + ", ".join(f"{k} {a.get(k, 'unset')} -> {b.get(k, 'unset')}"
+                                                            for k in keys[:4]))
+        if len(out) >= limit:
+            break
+    return out
