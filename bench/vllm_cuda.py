@@ -1,0 +1,118 @@
+"""vLLM's CUDA build on one GPU: the default loader against fast-start's cache, side by side.
+
+    python -m bench.vllm_cuda OUTDIR [MODEL ...]      (models: qwen3-bf16 qwen3-fp8 moe-fp8)
+
+For each model: a CUDA daemon filled by vLLM itself (layout "vllm", engine_version "auto"), then
+engines as fresh processes: vLLM's default loader, `fast_start` zero_copy and copy. Writes
+OUTDIR/summary.json (tokens equal, parameters inside PyTorch's allocator, digests, vLLM's
+"Model loading took" and "Available KV cache memory" lines) and every process's log. Needs vLLM's CUDA build importable.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from devtools import synth
+
+OUT = Path(sys.argv[1])
+WORK = Path(os.environ.get("FAST_START_BENCH_WORK", "/tmp/fast-start-vllm-cuda"))
+DENSE = synth.Shape(architecture="Qwen3ForCausalLM", hidden_size=1024, num_layers=4, num_heads=8, num_kv_heads=2,
+                    head_dim=128, intermediate_size=3072, vocab_size=4096)
+MOE = synth.Shape(architecture="Qwen3MoeForCausalLM", hidden_size=1024, num_layers=4, num_heads=8, num_kv_heads=2,
+                  head_dim=128, intermediate_size=3072, vocab_size=4096, num_experts=8, moe_intermediate_size=768)
+MODELS = {"qwen3-bf16": (DENSE, None), "qwen3-fp8": (DENSE, "block"), "moe-fp8": (MOE, "block")}
+
+
+def run(name: str, args: list[str], log: Path, timeout: float = 300) -> int:
+    with open(log, "w") as f:
+        try:
+            return subprocess.run([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return -1
+
+
+def engine(name: str, model: Path, load_format: str = "auto", extra: dict | None = None) -> dict:
+    out, log = WORK / f"{name}.json", OUT / f"{name}.log"
+    out.unlink(missing_ok=True)
+    start = time.monotonic()
+    rc = run(name, ["-m", "bench.vllm_cuda_engine", json.dumps(
+        {"model": str(model), "load_format": load_format, "extra": extra or {}, "out": str(out)})], log)
+    text = log.read_text(errors="replace")
+    r = json.loads(out.read_text()) if out.exists() else {}
+    r.update(rc=rc, wall_s=round(time.monotonic() - start, 1),
+             loading=re.findall(r"Model loading took [^\n]*", text)[-1:],
+             kv_cache=re.findall(r"Available KV cache memory: [^\n]*", text)[-1:],
+             fast_start=[ln[-300:] for ln in text.splitlines() if "fast-start" in ln][-3:],
+             errors=[ln[-300:] for ln in text.splitlines() if "Error" in ln][-3:])
+    return r
+
+
+def daemon(models: dict[str, Path]):
+    run_dir = WORK / "run"
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lines = ["[daemon]", f'socket_dir = "{run_dir}"', 'device = "cuda"', f'worker_python = "{sys.executable}"']
+    for name, path in models.items():
+        lines += ["", "[[model]]", f'name = "{name}"', f'path = "{path}"', "gpus = [0]", 'layout = "vllm"',
+                  'engine_version = "auto"']
+    config = WORK / "fs.toml"
+    config.write_text("\n".join(lines) + "\n")
+    listen = WORK / "notify.sock"
+    listen.unlink(missing_ok=True)
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(listen))
+    notify.settimeout(1.0)
+    proc = subprocess.Popen([sys.executable, "-m", "fast_start.cli", "daemon", "--gpu", "0", "--config", str(config)],
+                            env={**os.environ, "NOTIFY_SOCKET": str(listen)},
+                            stdout=open(OUT / "daemon.log", "w"), stderr=subprocess.STDOUT)
+    start = time.monotonic()
+    while time.monotonic() - start < 400 and proc.poll() is None:
+        try:
+            if b"READY=1" in notify.recv(65536):
+                return proc, run_dir, round(time.monotonic() - start, 1)
+        except socket.timeout:
+            pass
+    return proc, None, None
+
+
+def main() -> None:
+    import torch
+    import vllm
+    OUT.mkdir(parents=True, exist_ok=True)
+    WORK.mkdir(parents=True, exist_ok=True)
+    chosen = sys.argv[2:] or list(MODELS)
+    paths = {}
+    for name in chosen:
+        shape, fp8 = MODELS[name]
+        paths[name] = WORK / name
+        if not (paths[name] / "config.json").exists():
+            synth.write_checkpoint(paths[name], shape, fp8=fp8, seed=7)
+    summary = {"vllm": vllm.__version__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
+               "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}
+    engine("warmup", paths[chosen[0]])        # the first engine on a machine pays kernel warm-up
+    proc, run_dir, ready_s = daemon(paths)
+    summary["daemon_ready_s"] = ready_s
+    try:
+        for name in chosen:
+            r = summary[name] = {"default": engine(f"{name}-default", paths[name])}
+            if run_dir is None:
+                continue
+            for mode in ("zero_copy", "copy"):
+                r[mode] = engine(f"{name}-{mode}", paths[name], "fast_start",
+                                 {"mode": mode, "socket_dir": str(run_dir), "fallback": False})
+                r[mode]["same_tokens"] = r[mode].get("tokens") == r["default"].get("tokens")
+                r[mode]["same_digest"] = r[mode].get("digest") == r["default"].get("digest")
+            (OUT / "summary.json").write_text(json.dumps(summary, indent=1))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        (OUT / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
