@@ -349,3 +349,28 @@ def test_two_instances_side_by_side_and_stopping_one_keeps_the_other(box):
     assert box.run("test", "-S", "/run/fast-start/gpu0.sock", check=False).returncode == 0
     assert box.run("test", "-e", "/run/fast-start/gpu1.sock", check=False).returncode != 0
     assert engine(box)["source"] == "cache"
+
+
+VLLM_MODEL = """
+[[model]]
+name = "llama-vllm"
+path = "/srv/model"
+gpus = [0]
+layout = "vllm"
+engine_version = "auto"
+"""
+
+
+def test_vllm_fills_its_own_model_under_the_shipped_unit(box):
+    """layout "vllm": the fill worker runs vLLM inside the hardened unit (a torch.distributed world
+    of one, caches in the unit's CacheDirectory=) and the daemon serves what it filled."""
+    if not os.environ.get("CI"):
+        pytest.importorskip("vllm")
+    try:
+        ready(box, config_text(models=LLAMA + VLLM_MODEL))
+        cached = {m["name"]: m for m in status(box)["models"]}
+        assert "llama-vllm" in cached, cached
+        log = journal(box, "fast-start@0")
+        assert "llama-vllm is filled by" in log and "vllm 0." in log and "cached llama-vllm rank 0" in log
+    finally:
+        ready(box)
