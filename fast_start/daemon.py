@@ -71,9 +71,13 @@ def device_memory(device: str, gpu: int) -> int:
 def config_fields(model: configs.ModelConfig, gpu: int) -> dict:
     """The fingerprint fields the config alone decides (no checkpoint file read)."""
     spec = model.spec(gpu)
-    return {"tensor_parallel_size": spec.tensor_parallel_size, "rank": spec.rank, "dtype": spec.dtype,
-            "quantization": spec.quantization, "revision": spec.revision, "engine_version": spec.engine_version,
-            "layout": f"{spec.layout}/{LAYOUT_VERSION}"}
+    fields = {"tensor_parallel_size": spec.tensor_parallel_size, "rank": spec.rank, "dtype": spec.dtype,
+              "quantization": spec.quantization, "revision": spec.revision, "engine_version": spec.engine_version,
+              "layout": f"{spec.layout}/{LAYOUT_VERSION}", "pipeline_parallel_size": spec.pipeline_parallel_size,
+              "engine_options": spec.engine_options}
+    if spec.layout == "vllm" and spec.quantization == "none":
+        del fields["quantization"]      # vLLM takes it from the checkpoint's config.json, which is away
+    return fields
 
 
 def fd_budget() -> tuple[Limits, int]:

@@ -276,3 +276,21 @@ def test_fill_workers_share_the_cpus_between_the_hosts_daemons(tmp_path, small, 
     assert Daemon(cfg, 0).workers().env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 4))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")          # the operator's choice wins
     assert Daemon(cfg, 0).workers().env["OMP_NUM_THREADS"] == "3"
+
+
+def test_config_fields_name_only_fingerprint_fields_and_leave_vllms_quantization_to_the_checkpoint():
+    """While a model's storage is away, re-adoption compares what the config alone decides; for a
+    vLLM model with quantization "none" that excludes the quantization (vLLM reads it from
+    config.json), and includes the pipeline size and the engine options."""
+    from dataclasses import fields, replace
+    from fast_start.config import ModelConfig
+    from fast_start.daemon import config_fields
+    from fast_start.fingerprint import Fingerprint
+    hf = config_fields(ModelConfig("m", "/models/m", (0,), quantization="fp8"), 0)
+    vllm = config_fields(ModelConfig("m", "/models/m", (0, 1), pipeline_parallel_size=2, layout="vllm"), 1)
+    assert set(hf) <= {f.name for f in fields(Fingerprint)} and hf["quantization"] == "fp8"
+    assert "quantization" not in vllm and vllm["pipeline_parallel_size"] == 2 and vllm["rank"] == 1
+    assert '"pp":2' in vllm["engine_options"]
+    stored = Fingerprint("h", "Qwen3ForCausalLM", 1, 1, "bfloat16", "fp8", "c", "main", "", "vllm/2", 2,
+                         vllm["engine_options"])
+    assert stored.diff(replace(stored, **vllm)) == ()
