@@ -25,7 +25,6 @@ Options come from `--model-loader-extra-config`: `mode` (zero_copy | copy), `fal
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -272,7 +271,8 @@ def prepare(model: torch.nn.Module, weights: Weights, model_config, device: torc
         return
     from vllm.model_executor.utils import weights_already_processed
     install_processed(model, weights, engine)
-    told = _mark_processed_online_layers(model, engine["signature"])
+    recorded = vllm_state.per_module(engine["signature"])
+    told = _mark_processed_online_layers(model, recorded)
     try:
         with set_default_torch_dtype(model_config.dtype), weights_already_processed():
             vllm_utils.process_weights_after_loading(model, model_config, device)
@@ -281,7 +281,7 @@ def prepare(model: torch.nn.Module, weights: Weights, model_config, device: torc
     finally:
         for method in told:
             del method.supports_pre_processed_weights
-    mend_gaps(model, engine["signature"])
+    mend_gaps(model, recorded)
     differs = vllm_state.differences(engine["signature"], vllm_state.signature(model))
     if differs:
         raise CacheMiss("vLLM's pre-processed pass left other state than the fill's processing: " + "; ".join(differs),
@@ -327,7 +327,7 @@ def install_processed(model: torch.nn.Module, weights: Weights, engine: dict) ->
 _ONLINE_DONE = "_already_called_process_weights_after_loading"
 
 
-def _mark_processed_online_layers(model: torch.nn.Module, signature: dict) -> list:
+def _mark_processed_online_layers(model: torch.nn.Module, recorded: dict[str, dict]) -> list:
     """Online quantization methods have no pre-processed pass, but guard against running twice:
     a layer the fill recorded as processed is marked so (with the attributes its processing set
     to None), and its method lets vLLM's pass through. Returns the methods told (the caller
@@ -335,12 +335,11 @@ def _mark_processed_online_layers(model: torch.nn.Module, signature: dict) -> li
     told = []
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
-        if method is None or getattr(method, "supports_pre_processed_weights", True) or name not in signature["modules"]:
+        if method is None or getattr(method, "supports_pre_processed_weights", True) or name not in recorded:
             continue
-        recorded = json.loads(signature["table"][signature["modules"][name]])
-        if recorded.get(_ONLINE_DONE) == "True":
+        if recorded[name].get(_ONLINE_DONE) == "True":
             setattr(module, _ONLINE_DONE, True)
-            for key, value in recorded.items():     # what its processing reset (input_scale = None)
+            for key, value in recorded[name].items():     # what its processing reset (input_scale = None)
                 if value == "None" and "." not in key and not hasattr(module, key):
                     setattr(module, key, None)
             method.supports_pre_processed_weights = True
@@ -348,7 +347,7 @@ def _mark_processed_online_layers(model: torch.nn.Module, signature: dict) -> li
     return told
 
 
-def mend_gaps(model: torch.nn.Module, signature: dict) -> None:
+def mend_gaps(model: torch.nn.Module, recorded: dict[str, dict]) -> None:
     """State vLLM's processing sets and its pre-processed pass (vLLM 0.30–0.33) does not:
 
     - `deep_gemm_warmup_provider`: the DeepGEMM kernel object, which the JIT warm-up reads (else
@@ -358,17 +357,14 @@ def mend_gaps(model: torch.nn.Module, signature: dict) -> None:
     Each is taken from the fill's signature, and only where the engine's own kernel is the one
     the fill recorded.
     """
-    table, modules = signature["table"], signature["modules"]
     for name, module in model.named_modules():
-        if name not in modules:
-            continue
-        recorded = json.loads(table[modules[name]])
-        want = recorded.get("deep_gemm_warmup_provider")
+        state = recorded.get(name, {})
+        want = state.get("deep_gemm_warmup_provider")
         if want and not hasattr(module, "deep_gemm_warmup_provider"):
             kernel = _find_kernel(getattr(module, "quant_method", None), want)
             if kernel is not None:
                 module.deep_gemm_warmup_provider = kernel
-        size = recorded.get("quant_method.fp8_linear.logical_output_size")
+        size = state.get("quant_method.fp8_linear.logical_output_size")
         kernel = getattr(getattr(module, "quant_method", None), "fp8_linear", None)
         if size not in (None, "None") and kernel is not None and getattr(kernel, "logical_output_size", 0) is None:
             kernel.logical_output_size = int(size)

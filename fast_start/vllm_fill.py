@@ -187,6 +187,12 @@ def _unique(named) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _storage_key(t: torch.Tensor) -> tuple:
+    """One key per distinct storage (empty storages have no address to share)."""
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes()) if s.nbytes() else ("empty", id(t))
+
+
 def export(want, named, device: str, engine: dict, progress=None, keep: bool = False) -> tuple[Manifest, list[int]]:
     """Write each distinct storage behind `named` once into one arena; entries keep strides.
 
@@ -199,15 +205,14 @@ def export(want, named, device: str, engine: dict, progress=None, keep: bool = F
     bases, cursor, storages = {}, 0, []
     for _, t in unique:
         s = t.untyped_storage()
-        key = (s.data_ptr(), s.nbytes()) if s.nbytes() else ("empty", id(t))
+        key = _storage_key(t)
         if key not in bases:
             bases[key] = cursor
             storages.append((cursor, s))
             cursor += -(-s.nbytes() // ALIGN) * ALIGN
     entries = []
     for name, t in unique:
-        s = t.untyped_storage()
-        offset = bases[(s.data_ptr(), s.nbytes()) if s.nbytes() else ("empty", id(t))] + t.storage_offset() * t.itemsize
+        offset = bases[_storage_key(t)] + t.storage_offset() * t.itemsize
         stride = () if t.is_contiguous() and offset % ALIGN == 0 else tuple(t.stride())
         entries.append(TensorEntry(name, name_of(t.dtype), tuple(t.shape), 0, offset, t.numel() * t.itemsize,
                                    arenas.checksum(t), stride))

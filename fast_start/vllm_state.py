@@ -89,6 +89,12 @@ def signature(model: torch.nn.Module) -> dict:
     return _grouped(per_module)
 
 
+def per_module(grouped: dict) -> dict[str, dict]:
+    """A grouped description as module name -> state, each distinct state decoded once."""
+    table = [json.loads(text) for text in grouped["table"]]
+    return {name: table[i] for name, i in grouped["modules"].items()}
+
+
 def differences(cached: dict, own: dict, limit: int = 3) -> list[str]:
     """What differs between two grouped descriptions, as "module: key cached -> own" lines."""
     out = []

