@@ -14,15 +14,19 @@ read-only map of an fd as a flat uint8 tensor.
 from __future__ import annotations
 
 import fcntl
+import gc
 import mmap
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
-from . import dtypes
+from . import dtypes, table
 from .errors import ArenaError
-from .manifest import Manifest, TensorEntry
+
+if TYPE_CHECKING:
+    from .manifest import Manifest
 
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 _WRITE_STEP = 1 << 26
@@ -80,9 +84,9 @@ def map_readonly(fd: int, size: int, arena_device: str, device: torch.device) ->
     if arena_device == "cpu" and device.type == "cpu":
         return _map_memfd(fd, size)
     if device.type == "cuda":
-        from . import vmm
+        from . import cudadrv, vmm
         ordinal = device.index if device.index is not None else torch.cuda.current_device()
-        if vmm.device_uuid(ordinal) == arena_device:
+        if cudadrv.device_uuid(ordinal) == arena_device:
             return vmm.map_fd(fd, size, ordinal, readonly=True)
     raise ArenaError(f"arena on {arena_device} cannot be mapped on {device}",
                      "fetch on the device the daemon serves")
@@ -102,48 +106,84 @@ def _map_memfd(fd: int, size: int) -> torch.Tensor:
 
 
 def tensors(manifest: Manifest, fds: list[int], mode: str, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor of a manifest from its arena fds (which the caller keeps and may close).
+    """Every tensor of a manifest from its arena fds (which the caller keeps and may close)."""
+    maps = map_arenas(fds, [(a.size, a.device) for a in manifest.arenas], mode, device)
+    return from_table(table.encode(manifest), maps)
 
-    `zero_copy`: read-only views of the arenas. `copy`: one device copy of each arena into memory
-    the caller owns (one large copy runs at full bandwidth; per-tensor clones would not), the
-    mappings dropped as soon as the copy is done.
+
+def map_arenas(fds: list[int], arenas: list[tuple[int, str]], mode: str, device: torch.device) -> list[torch.Tensor]:
+    """Each arena (size, device) from its fd as a flat uint8 tensor on `device`.
+
+    `zero_copy`: read-only maps. `copy`: one device copy of each arena into memory the caller
+    owns (one large copy runs at full bandwidth; per-tensor clones would not), the maps dropped
+    as soon as it is done.
     """
-    if len(fds) != len(manifest.arenas):
-        raise ArenaError(f"got {len(fds)} arena fds for {len(manifest.arenas)} arenas",
+    if len(fds) != len(arenas):
+        raise ArenaError(f"got {len(fds)} arena fds for {len(arenas)} arenas",
                          "ask the daemon again; the reply was incomplete")
-    maps = [map_readonly(fd, a.size, a.device, device) for fd, a in zip(fds, manifest.arenas, strict=True)]
+    maps = [map_readonly(fd, size, where, device) for fd, (size, where) in zip(fds, arenas)]
     if mode == "copy":
         maps = [m.clone() for m in maps]
-    out = {}
-    for i, arena in enumerate(maps):
-        out.update(views(arena, [e for e in manifest.tensors if e.arena == i]))
-    return out
+    return maps
 
 
-def views(arena: torch.Tensor, entries: list[TensorEntry]) -> dict[str, torch.Tensor]:
-    """The tensors `entries` describe, as views into one mapped arena.
+def from_table(data: bytes | bytearray, maps: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor of a tensor table (`table.py`) as a view into the mapped arenas `maps`.
 
-    One typed view of the whole arena per dtype, then one `as_strided` per tensor: a model has
-    hundreds of tensors and this runs on every engine start.
+    One view per run (its tensors along a leading dimension), split with `unbind`. Each run is
+    checked exactly (arena, dtype, shape against nbytes, alignment, its last element inside its
+    arena) before its view is made, so a damaged or hostile table cannot make a view reach
+    outside an arena.
     """
-    typed: dict[str, torch.Tensor] = {}
-    out = {}
-    for e in entries:
-        dtype = dtypes.torch_dtype(e.dtype)
-        if e.dtype not in typed:
-            usable = arena.numel() // dtype.itemsize * dtype.itemsize
-            typed[e.dtype] = arena[:usable].view(dtype)
-        stride = e.stride or contiguous_stride(e.shape)
-        out[e.name] = typed[e.dtype].as_strided(e.shape, stride, e.offset // dtype.itemsize)
+    d, rows, names = table.parse(data)
+    width = table.FIXED + 2 * d
+    typed: dict[tuple[int, int], torch.Tensor] = {}
+    tensors: list[torch.Tensor] = []
+    collecting = gc.isenabled()
+    gc.disable()        # thousands of new tensors would start a full collection of the engine's heap
+    try:
+        for at in range(0, len(rows), width):
+            count, step, offset, nbytes, arena, code, ndim = rows[at:at + table.FIXED]
+            shape, stride = rows[at + table.FIXED:at + table.FIXED + ndim].tolist(), \
+                rows[at + table.FIXED + d:at + table.FIXED + d + ndim].tolist()
+            if not 0 <= code < len(table.ITEMSIZES):
+                raise ArenaError(f"tensor table entry {names[len(tensors)]!r} has an unknown dtype",
+                                 "use a fast-start client of the daemon's version")
+            itemsize = table.ITEMSIZES[code]
+            _check_run(names[len(tensors)], offset, nbytes, arena, ndim, shape, stride, count, step, itemsize, d, maps)
+            if (arena, code) not in typed:
+                flat = maps[arena]
+                typed[arena, code] = flat[:flat.numel() // itemsize * itemsize].view(
+                    dtypes.torch_dtype(dtypes.TABLE[code].name))
+            view = typed[arena, code]
+            if count == 1:
+                tensors.append(view.as_strided(shape, stride, offset // itemsize))
+            else:
+                tensors.extend(view.as_strided((count, *shape), (step // itemsize, *stride), offset // itemsize).unbind(0))
+        out = dict(zip(names, tensors))
+    finally:
+        if collecting:
+            gc.enable()
+    if len(out) != len(names):
+        raise ArenaError("tensor table names a tensor twice", "evict and refill the model")
     return out
 
 
-def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= size
-    return tuple(stride[::-1])
+def _check_run(name: str, offset: int, nbytes: int, arena: int, ndim: int, shape: list[int], stride: list[int],
+               count: int, step: int, itemsize: int, d: int, maps: list[torch.Tensor]) -> None:
+    """Exact checks of one run (Python integers: no overflow); ArenaError naming its first tensor."""
+    size = 1
+    for s in shape:
+        size *= s
+    ok = 0 <= arena < len(maps) and 0 <= ndim <= d and min(shape + stride, default=0) >= 0 and count >= 1 \
+        and size * itemsize == nbytes and offset >= 0 and offset % itemsize == 0 \
+        and (count == 1 or (step > 0 and step % itemsize == 0))
+    if ok:
+        span = 0 if 0 in shape else (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * itemsize
+        ok = offset + (count - 1) * step + span <= maps[arena].numel()
+    if not ok:
+        raise ArenaError(f"tensor table entry {name!r} (and {count - 1} like it) does not fit its arena",
+                         "evict and refill the model; use a fast-start client of the daemon's version")
 
 
 def checksum(t: torch.Tensor) -> str:

@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from . import protocol, watch
+from . import protocol, table, watch
 from .config import ModelConfig
 from .fingerprint import Fingerprint
 from .manifest import Manifest
@@ -49,7 +49,10 @@ class Entry:
     retired: bool = False                               # evicted: fds close with the last pin
 
     def __post_init__(self):
-        self.manifest_dict = self.manifest.to_dict()   # encoded once, sent to every engine
+        # Encoded once, sent to every engine: the tensor table and the rest of the manifest.
+        self.manifest_dict = self.manifest.to_dict()
+        self.table = table.encode(self.manifest)
+        self.head = {k: v for k, v in self.manifest_dict.items() if k != "tensors"}
 
     @property
     def nbytes(self) -> int:
@@ -138,8 +141,17 @@ class Cache:
         return _no(protocol.Report(body(peer)))
 
     def acquire(self, msg: protocol.Acquire, peer: Peer):
-        if msg.mode not in MODES:
-            return _no(protocol.Error(f"mode {msg.mode!r} is unknown", f"use one of {', '.join(MODES)}"))
+        """A lease and the reply that carries the model's fds: its manifest as the tensor table
+        (engines) or as JSON (`fast-start verify`). A copy-mode lease ends once the reply is out:
+        the engine's own copy is made from the fds it received, which keep the memory alive."""
+        if msg.protocol and msg.protocol != protocol.VERSION:
+            return _no(protocol.Error(f"protocol version {msg.protocol} is not spoken here (daemon speaks "
+                                      f"{protocol.VERSION})", "use a fast-start client of the daemon's version"))
+        if msg.mode not in MODES or msg.manifest not in ("table", "json"):
+            return _no(protocol.Error(f"mode {msg.mode!r} or manifest form {msg.manifest!r} is unknown",
+                                      f"use a mode of {', '.join(MODES)} and manifest \"table\" or \"json\""))
+        if msg.device and msg.device != self.device:
+            return _no(protocol.Miss(f"this daemon serves {self.device}, not {msg.device}", ["device"]))
         try:
             want = Fingerprint.from_dict(msg.fingerprint)
         except (ValueError, TypeError) as e:
@@ -159,8 +171,12 @@ class Cache:
             if isinstance(lease, protocol.Error):
                 return _no(lease)
             best.pins += 1
-        reply = protocol.Acquired(lease.id, best.model.name, best.manifest_dict)
-        return reply, best.fds, lambda sent: self._sent(best, lease, sent or lease.id < first_new)
+        if msg.manifest == "json":
+            reply = protocol.Acquired(lease.id, best.model.name, best.manifest_dict)
+        else:
+            reply = protocol.Acquired(lease.id, best.model.name, best.head, len(best.table)).attach(best.table)
+        keep = msg.mode == "zero_copy"
+        return reply, best.fds, lambda sent: self._sent(best, lease, (sent and keep) or lease.id < first_new)
 
     def _miss(self, want: Fingerprint, closest: Entry | None) -> protocol.Miss:
         """No entry holds `want` (under the lock): say why as exactly as the daemon knows."""
@@ -223,14 +239,20 @@ class Cache:
         return lease
 
     def _sent(self, entry: Entry, lease: Lease, keep: bool) -> None:
-        """A reply carrying `entry`'s fds is out (or failed: then a lease made for it ends)."""
+        """A reply carrying `entry`'s fds is out, or failed: a lease made for it ends unless kept
+        (a copy-mode lease ends here, and `on_release` applies as for a release)."""
         with self.lock:
             entry.pins -= 1
-            if not keep and lease.id in self.leases:
+            ended = not keep and lease.id in self.leases
+            if ended:
                 self._drop_lease(lease)
             close = entry.retired and entry.pins == 0
+            evict = ended and lease.mode == "copy" and self.on_release == "drop" and \
+                self.entries.get(lease.model) is entry
         if close:
             entry.close()
+        if evict:
+            self.evict(lease.model, "release")
 
     def process_exited(self, pidfd: int) -> None:
         """`pidfd` became readable: if its process really exited, end all its leases."""

@@ -271,7 +271,8 @@ def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpe
     tensors one at a time, so neither this process nor the worker holds the shard in RAM.
     """
     from .fill import Worker, worker_env
-    reply, fds = ask(directory, gpu, protocol.Acquire(stored.to_dict(), "zero_copy", files), with_fds=True)
+    reply, fds = ask(directory, gpu, protocol.Acquire(stored.to_dict(), "zero_copy", files, manifest="json"),
+                      with_fds=True)
     if isinstance(reply, protocol.Miss):
         return [f"(cache miss: {reply.reason})"]
     python = sys.executable

@@ -2,25 +2,32 @@
 
 `fetch` returns the same tensors whether they come from a daemon's arenas or from disk: both run
 `materialize.derive`. In `zero_copy` mode arena tensors are read-only views of shared memory
-(writing through one faults); in `copy` mode they are cloned into memory the engine owns and the
-mappings are dropped.
+(writing through one faults); in `copy` mode each arena is copied once into memory the engine
+owns and the mappings are dropped (the daemon ends a copy's lease as it sends the reply).
+
+A fetch from the cache is one request and one reply per daemon asked (`Acquire` names the
+protocol version and the device; `Acquired` carries the lease, the arena fds and the tensor
+table), and the tensors are built a run of equal shapes at a time (`arena.from_table`): a fresh
+engine process has its weights in milliseconds, however many tensors a rank has.
 """
 from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import arena as arenas
 from . import protocol, watch
-from .errors import CacheMiss, FastStartError, LoadError
+from .errors import ArenaError, CacheMiss, FastStartError, LoadError
 from .fingerprint import Fingerprint, WeightSpec, fingerprint
-from .manifest import Manifest
 from .transport import connect, request, socket_dir as _socket_dir, sockets as _sockets
+
+if TYPE_CHECKING:
+    from .manifest import Manifest
 
 log = logging.getLogger("fast_start")
 
@@ -81,49 +88,75 @@ def fetch(spec: WeightSpec, device: str | torch.device = "cpu", mode: str = "zer
 
 def _from_cache(want: Fingerprint, files: watch.Identity, device: torch.device, mode: str, directory: Path,
                 timeout: float) -> Weights:
+    """One round trip per daemon asked: `Acquire` names the protocol and the device, and the reply
+    carries the lease, the fds and the tensor table."""
     sockets = _sockets(directory)
     if not sockets:
         raise CacheMiss(f"no fast-start daemon socket in {directory}",
                         "start the daemon (systemctl start fast-start@N) or pass socket_dir")
+    ask = protocol.Acquire(want.to_dict(), mode, files, protocol.VERSION, _device_id(device))
     misses = []    # (reason, fix, differing fields)
-    for path in sockets:
+    for path in _likely_first(sockets, device):
         try:
             with connect(path, timeout) as conn:
-                welcome = request(conn, protocol.Hello(protocol.VERSION))
-                if welcome.device != _device_id(device):
-                    continue
-                reply, fds = request(conn, protocol.Acquire(want.to_dict(), mode, files), with_fds=True)
-                if isinstance(reply, protocol.Acquired):
-                    weights = _use(conn, reply, fds, want, mode, device)
-                    weights.socket = str(path)
-                    return weights
-                misses.append((reply.reason + (f" (model {reply.model!r})" if reply.model else ""),
-                               reply.fix or "run `fast-start fingerprints` and compare with this engine's spec",
-                               reply.fields))
+                reply, fds = request(conn, ask, with_fds=True)
         except FastStartError as e:
             misses.append((f"{path}: {e.what}", e.fix, ()))
+            continue
         except OSError as e:
             misses.append((f"{path}: {e.strerror or e}", "check that the daemon runs", ()))
+            continue
+        if isinstance(reply, protocol.Acquired):
+            weights = _use(reply, fds, want, mode, device)
+            weights.socket = str(path)
+            return weights
+        for fd in fds:
+            os.close(fd)
+        if reply.fields != ["device"]:      # a daemon of another GPU: not a miss of ours
+            misses.append((reply.reason + (f" (model {reply.model!r})" if reply.model else ""),
+                           reply.fix or "run `fast-start fingerprints` and compare with this engine's spec",
+                           reply.fields))
     if not misses:
         raise CacheMiss(f"no daemon in {directory} serves device {_device_id(device)}", "check the daemon's config")
     reason, fix, fields = min(misses, key=lambda m: (not m[2], len(m[2])))
     raise CacheMiss(reason, fix, tuple(fields))
 
 
-def _use(conn: socket.socket, reply: protocol.Acquired, fds: list[int], want: Fingerprint, mode: str,
-         device: torch.device) -> Weights:
+def _likely_first(sockets: list[Path], device: torch.device) -> list[Path]:
+    """The daemon of this GPU's index first (`gpu<N>.sock`, N as the host numbers it), then the rest."""
+    if device.type != "cuda":
+        return sockets
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    if visible != [""]:
+        index = int(visible[index]) if index < len(visible) and visible[index].strip().isdigit() else -1
+    return sorted(sockets, key=lambda p: p.name != f"gpu{index}.sock")
+
+
+def _use(reply: protocol.Acquired, fds: list[int], want: Fingerprint, mode: str, device: torch.device) -> Weights:
+    """Weights from an Acquired reply: the arenas mapped (the fds closed at once), the table's views."""
     try:
-        manifest = Manifest.from_dict(reply.manifest)
-        if manifest.fingerprint != want:
-            raise CacheMiss("the daemon answered with a different fingerprint", "report this as a bug",
-                            manifest.fingerprint.diff(want))
-        weights = from_arenas(manifest, fds, mode, device)
+        head = reply.manifest
+        try:
+            if head["fingerprint"] != want.to_dict():
+                raise CacheMiss("the daemon answered with a different fingerprint", "report this as a bug",
+                                Fingerprint.from_dict(head["fingerprint"]).diff(want))
+            where = [(int(a["size"]), str(a["device"])) for a in head["arenas"]]
+            aliases, engine = dict(head["aliases"]), dict(head.get("engine", {}))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ArenaError(f"the daemon's manifest is malformed ({e!r})",
+                             "use a fast-start client of the daemon's version") from None
+        maps = arenas.map_arenas(fds, where, mode, device)
     finally:
         for fd in fds:
             os.close(fd)
-    weights.lease = reply.lease
-    if mode == "copy":      # our clones are independent: let the daemon apply on_release
-        request(conn, protocol.Release(reply.lease))
+    tensors = arenas.from_table(reply.attachment, maps)
+    bad = [a for a, t in aliases.items() if not isinstance(t, str) or t not in tensors or a in tensors]
+    if bad:
+        raise ArenaError(f"the daemon's manifest has invalid aliases {bad[:5]}", "evict and refill the model")
+    weights = Weights(tensors, aliases, "cache", want)
+    weights.engine = engine
+    weights.lease = reply.lease if mode == "zero_copy" else None   # a copy's lease ended with the reply
     return weights
 
 
@@ -131,7 +164,7 @@ def _device_id(device: torch.device) -> str:
     """How daemons name a device: "cpu", or the GPU's UUID (never an index: CUDA_VISIBLE_DEVICES differs)."""
     if device.type == "cpu":
         return "cpu"
-    from .gpus import device_uuid
+    from .cudadrv import device_uuid
     return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
 
 

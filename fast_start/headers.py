@@ -164,7 +164,7 @@ def shard_files(folder: Path) -> tuple[str, ...]:
         raise CheckpointError(f"cannot read {folder}: {e.strerror or e}", "make the checkpoint readable by this "
                               f"process's user (uid {os.geteuid()})") from None
     if indexed:
-        files = sorted(set(read_index(index).values()))
+        files = sorted(index_files(index))
         for name in files:
             if not (folder / name).is_file():
                 raise CheckpointError(f"{index} names shard {name}, which is missing from {folder}",
@@ -177,16 +177,37 @@ def shard_files(folder: Path) -> tuple[str, ...]:
     return tuple(files)
 
 
+_INDEXES: dict[Path, tuple[tuple[int, ...], dict[str, str], frozenset[str]]] = {}   # path -> stat, map, files
+
+
 def read_index(index: Path) -> dict[str, str]:
+    """An index's weight_map (tensor name -> file), checked."""
+    return _index(index)[0]
+
+
+def index_files(index: Path) -> frozenset[str]:
+    """The files an index names, checked."""
+    return _index(index)[1]
+
+
+def _index(index: Path) -> tuple[dict[str, str], frozenset[str]]:
+    """Parsed once per version of the file: an MoE index runs to megabytes, and a fetch reads it
+    for the fingerprint and again for the files' identities."""
     try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        st = os.stat(index)
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if index in _INDEXES and _INDEXES[index][0] == key:
+            return _INDEXES[index][1:]
+        weight_map = json.loads(index.read_bytes()).get("weight_map")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
         raise CheckpointError(f"{index} is not a readable index: {e}", "restore the model's index file") from None
+    files = frozenset(v for v in weight_map.values() if isinstance(v, str)) if isinstance(weight_map, dict) else ()
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index} has no weight_map of tensor name -> file name",
                               "restore the model's index file")
-    for v in set(weight_map.values()):
+    for v in files:
         if "/" in v or v in ("", ".", ".."):
             raise CheckpointError(f"{index} names {v!r}, which is not a file inside the model folder",
                                   "the index may only name files next to it")
-    return weight_map
+    _INDEXES[index] = (key, weight_map, files)
+    return weight_map, files

@@ -117,9 +117,13 @@ def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 def pack(outputs: list[tuple[str, str, tuple[int, ...]]], arena_limit: int | None = None
          ) -> tuple[list[TensorEntry], list[int]]:
-    """Place tensors one after another, 256-byte aligned; start a new arena past `arena_limit` bytes."""
+    """Place tensors one after another, 256-byte aligned; start a new arena past `arena_limit` bytes.
+
+    Tensors of one dtype and shape are placed together (in their given order), so that an engine
+    builds them as one view (`arena.from_table`).
+    """
     entries, sizes, cursor = [], [0], 0
-    for name, dtype, shape in outputs:
+    for name, dtype, shape in sorted(outputs, key=lambda o: (o[1], o[2])):
         size = nbytes(dtype, shape)
         if arena_limit and cursor and cursor + size > arena_limit:
             sizes[-1], cursor = cursor, 0

@@ -1,9 +1,11 @@
 """The wire protocol between engines, the CLI, the daemon and its fill worker.
 
 Frames are a 4-byte big-endian length and a UTF-8 JSON object with a `kind`; each kind is a
-dataclass below and `decode` accepts exactly its fields with their types. File descriptors ride
-on a frame as `SCM_RIGHTS`. There is no pickle anywhere: a frame can only ever become one of
-these dataclasses.
+`Message` class below and `decode` accepts exactly its fields with their types. File descriptors
+ride on a frame as `SCM_RIGHTS`. One reply, `Acquired`, may be followed by a binary block whose
+size it names (the tensor table, `table.py`). There is no pickle anywhere: a frame can only ever
+become one of these classes. They are plain classes, not dataclasses: engines import this module
+on every start, and generating twenty dataclasses took 10 ms of it.
 
 Trust model: the socket lives in a directory only the daemon's user can write; the daemon
 checks every peer's uid and groups with `SO_PEERCRED`/`SO_PEERGROUPS` before reading a byte,
@@ -22,11 +24,10 @@ import json
 import os
 import socket
 import time
-from dataclasses import dataclass, field, fields
 
 from .errors import FastStartError
 
-VERSION = 2                    # of every frame below; a worker of another version is refused
+VERSION = 3                    # of every frame below; a worker of another version is refused
 MAX_REQUEST = 1 << 20          # what the daemon reads from a client
 MAX_REPLY = 256 << 20          # manifests of large MoE models run to megabytes
 MAX_FDS = 253                  # the kernel's limit per message (SCM_MAX_FD)
@@ -41,152 +42,194 @@ class FramingError(ProtocolError):
     """A frame was oversized or truncated: the stream is out of step and must be closed."""
 
 
-@dataclass(frozen=True)
-class Hello:
+class Message:
+    """One frame's body: the fields a subclass annotates (with their defaults), in order; immutable.
+
+    `ATTACHED` names the field that counts the bytes of a binary block sent right after the frame;
+    `recv` puts that block in `attachment`.
+    """
+    kind = ""
+    FIELDS: tuple[str, ...] = ()
+    TYPES: dict[str, str] = {}
+    DEFAULTS: dict = {}
+    ATTACHED = ""
+
+    def __init_subclass__(cls) -> None:
+        own = cls.__dict__.get("__annotations__", {})
+        cls.FIELDS, cls.TYPES = tuple(own), dict(own)
+        cls.DEFAULTS = {name: cls.__dict__[name] for name in own if name in cls.__dict__}
+
+    def __init__(self, *args, **kwargs) -> None:
+        if len(args) > len(self.FIELDS):
+            raise TypeError(f"{self.kind} takes {len(self.FIELDS)} fields, got {len(args)}")
+        values = dict(zip(self.FIELDS, args))
+        for name, value in kwargs.items():
+            if name not in self.FIELDS or name in values:
+                raise TypeError(f"{self.kind}: unexpected or repeated field {name!r}")
+            values[name] = value
+        for name in self.FIELDS:
+            if name not in values:
+                if name not in self.DEFAULTS:
+                    raise TypeError(f"{self.kind}: missing field {name!r}")
+                default = self.DEFAULTS[name]
+                values[name] = default.copy() if isinstance(default, (list, dict)) else default
+        self.__dict__.update(values)
+        self.__dict__["attachment"] = b""
+
+    def attach(self, data: bytes) -> "Message":
+        """This frame with `data` sent right after it (the size its `ATTACHED` field names)."""
+        if not self.ATTACHED or getattr(self, self.ATTACHED) != len(data):
+            raise ValueError(f"a {self.kind} frame announces no attachment of {len(data)} bytes")
+        self.__dict__["attachment"] = data
+        return self
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{self.kind} frames are immutable")
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.__dict__ == self.__dict__
+
+    __hash__ = None
+
+    def wire(self) -> dict:
+        """The JSON object this frame is on the wire."""
+        return {"kind": self.kind, **{name: self.__dict__[name] for name in self.FIELDS}}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={self.__dict__[k]!r}' for k in self.FIELDS)})"
+
+
+class Hello(Message):
+    kind = "hello"
     protocol: int
-    kind: str = "hello"
 
 
-@dataclass(frozen=True)
-class Status:
-    kind: str = "status"
+class Status(Message):
+    kind = "status"
 
 
-@dataclass(frozen=True)
-class Fingerprints:
-    kind: str = "fingerprints"
+class Fingerprints(Message):
+    kind = "fingerprints"
 
 
-@dataclass(frozen=True)
-class Acquire:
+class Acquire(Message):           # an engine's one request: no Hello needed before it
+    kind = "acquire"
     fingerprint: dict
     mode: str
     files: dict                   # the engine's checkpoint files: name -> [dev, inode, size, mtime_ns]
-    kind: str = "acquire"
+    protocol: int = 0             # the client's VERSION (0: it said so in a Hello)
+    device: str = ""              # where it maps: "cpu" or a GPU's UUID; "" any
+    manifest: str = "table"       # "table": the binary tensor table follows Acquired; "json": the whole manifest
 
 
-@dataclass(frozen=True)
-class Release:
+class Release(Message):
+    kind = "release"
     lease: int
-    kind: str = "release"
 
 
-@dataclass(frozen=True)
-class Evict:
+class Evict(Message):
+    kind = "evict"
     model: str = ""               # "" evicts every model
-    kind: str = "evict"
 
 
-@dataclass(frozen=True)
-class Evictions:
-    kind: str = "evictions"
+class Evictions(Message):
+    kind = "evictions"
 
 
-@dataclass(frozen=True)
-class Welcome:
+class Welcome(Message):
+    kind = "welcome"
     protocol: int
     device: str                   # "cpu", or the GPU's UUID
     gpu: int
     pid: int
-    kind: str = "welcome"
 
 
-@dataclass(frozen=True)
-class Report:
+class Report(Message):
+    kind = "report"
     body: dict
-    kind: str = "report"
 
 
-@dataclass(frozen=True)
-class Acquired:
-    lease: int
+class Acquired(Message):
+    kind = "acquired"
+    ATTACHED = "table"
+    lease: int                    # a copy-mode lease ends once this reply is sent
     model: str
-    manifest: dict
-    kind: str = "acquired"
+    manifest: dict                # "json": the manifest; "table": all of it but the tensors
+    table: int = 0                # bytes of the tensor table (`table.py`) that follow this frame
 
 
-@dataclass(frozen=True)
-class Miss:
+class Miss(Message):
+    kind = "miss"
     reason: str
-    fields: list = field(default_factory=list)   # differing fingerprint fields of the closest model
+    fields: list = []                 # differing fingerprint fields of the closest model
     model: str = ""
     fix: str = ""
-    kind: str = "miss"
 
 
-@dataclass(frozen=True)
-class Error:
+class Error(Message):
+    kind = "error"
     what: str
     fix: str = ""
-    kind: str = "error"
 
 
-@dataclass(frozen=True)
-class Progress:                   # worker -> daemon during a fill
+class Progress(Message):                   # worker -> daemon during a fill
+    kind = "progress"
     model: str
     rank: int
     done: int
     total: int
-    kind: str = "progress"
 
 
-@dataclass(frozen=True)
-class Filled:                     # worker -> daemon, with the arena fds
+class Filled(Message):                     # worker -> daemon, with the arena fds
+    kind = "filled"
     model: str
     manifest: dict
     seconds: float
-    kind: str = "filled"
 
 
-@dataclass(frozen=True)
-class WorkerHello:                # worker -> daemon, its first frame: keep these fields in every version
+class WorkerHello(Message):                # worker -> daemon, its first frame: keep these fields in every version
+    kind = "worker_hello"
     protocol: int
     version: str                  # fast_start.__version__ of the worker's environment
     python: str                   # sys.executable
     prefix: str                   # sys.prefix: which environment
     engines: dict                 # engine name -> version found there (e.g. {"vllm": "0.32.0"})
-    kind: str = "worker_hello"
 
 
-@dataclass(frozen=True)
-class CheckJob:                   # daemon -> worker: validate a model's headers, size its arenas
+class CheckJob(Message):                   # daemon -> worker: validate a model's headers, size its arenas
+    kind = "check_job"
     model: str
     spec: dict                    # WeightSpec fields
-    kind: str = "check_job"
 
 
-@dataclass(frozen=True)
-class Checked:                    # worker -> daemon
+class Checked(Message):                    # worker -> daemon
+    kind = "checked"
     model: str
     bytes: int                    # what its arenas will take
-    kind: str = "checked"
 
 
-@dataclass(frozen=True)
-class FillJob:                    # daemon -> worker: materialize one model shard
+class FillJob(Message):                    # daemon -> worker: materialize one model shard
+    kind = "fill_job"
     model: str
     spec: dict                    # WeightSpec fields
     device: str                   # "cpu" or "cuda:N"
     bandwidth: int                # bytes/s the fill may read; 0 = unlimited
-    kind: str = "fill_job"
 
 
-@dataclass(frozen=True)
-class VerifyJob:                  # daemon or CLI -> worker, with the arena fds: checksum a shard's arenas
+class VerifyJob(Message):                  # daemon or CLI -> worker, with the arena fds: checksum a shard's arenas
+    kind = "verify_job"
     model: str
     manifest: dict
     spec: dict                    # {} to check the arenas only; WeightSpec fields to also derive from disk
-    kind: str = "verify_job"
 
 
-@dataclass(frozen=True)
-class Verified:                   # worker -> daemon
+class Verified(Message):                   # worker -> daemon
+    kind = "verified"
     model: str
     bad: list                     # names of tensors whose checksum differs
-    kind: str = "verified"
 
 
-KINDS = {c.__dataclass_fields__["kind"].default: c for c in (
+KINDS = {c.kind: c for c in (
     Hello, Status, Fingerprints, Acquire, Release, Evict, Evictions, Welcome, Report, Acquired, Miss, Error,
     Progress, Filled, WorkerHello, CheckJob, Checked, FillJob, VerifyJob, Verified)}
 JOBS = ("check_job", "fill_job", "verify_job")
@@ -194,14 +237,13 @@ REQUESTS = ("hello", "status", "fingerprints", "acquire", "release", "evict", "e
 _TYPES = {"int": int, "str": str, "dict": dict, "list": list, "float": (int, float)}
 
 
-def encode(msg) -> bytes:
-    # Shallow: asdict() would deep-copy a manifest of thousands of entries on every reply.
-    data = json.dumps({f.name: getattr(msg, f.name) for f in fields(msg)}, separators=(",", ":")).encode()
+def encode(msg: Message) -> bytes:
+    data = json.dumps(msg.wire(), separators=(",", ":")).encode()
     return len(data).to_bytes(_HEADER, "big") + data
 
 
 def decode(data: bytes, allowed: tuple[str, ...] | None = None):
-    """Bytes of one frame's body -> its dataclass; `ProtocolError` naming what was wrong."""
+    """Bytes of one frame's body -> its Message; `ProtocolError` naming what was wrong."""
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -211,23 +253,22 @@ def decode(data: bytes, allowed: tuple[str, ...] | None = None):
                             f"use one of {', '.join(REQUESTS)}")
     if allowed is not None and obj["kind"] not in allowed:
         raise ProtocolError(f"a {obj['kind']!r} frame is not expected here", f"send one of {', '.join(allowed)}")
-    cls = KINDS[obj["kind"]]
-    known = {f.name: f for f in fields(cls)}
+    cls = KINDS[obj.pop("kind")]
     for key, value in obj.items():
-        if key not in known:
-            raise ProtocolError(f"{obj['kind']!r} frame has unknown field {key!r}", f"fields are {', '.join(known)}")
-        want = _TYPES[known[key].type]
+        if key not in cls.TYPES:
+            raise ProtocolError(f"{cls.kind!r} frame has unknown field {key!r}", f"fields are {', '.join(cls.FIELDS)}")
+        want = _TYPES[cls.TYPES[key]]
         if not isinstance(value, want) or isinstance(value, bool):
-            raise ProtocolError(f"{obj['kind']!r} field {key!r} has the wrong type", f"send {known[key].type}")
+            raise ProtocolError(f"{cls.kind!r} field {key!r} has the wrong type", f"send {cls.TYPES[key]}")
     try:
         return cls(**obj)
     except TypeError as e:
-        raise ProtocolError(f"{obj['kind']!r} frame lacks a field: {e}", f"fields are {', '.join(known)}") from None
+        raise ProtocolError(f"{cls.kind!r} frame lacks a field: {e}", f"fields are {', '.join(cls.FIELDS)}") from None
 
 
-def send(sock: socket.socket, msg, fds: list[int] | tuple[int, ...] = ()) -> None:
-    """Send one frame; `fds` ride on its first byte."""
-    data = encode(msg)
+def send(sock: socket.socket, msg: Message, fds: list[int] | tuple[int, ...] = ()) -> None:
+    """Send one frame and its attachment; `fds` ride on its first byte."""
+    data = encode(msg) + msg.attachment
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
     sent = sock.sendmsg([data], ancillary)
     if sent < len(data):
@@ -255,6 +296,12 @@ def recv(sock: socket.socket, max_size: int = MAX_REPLY, allowed: tuple[str, ...
         if size > max_size:
             raise FramingError(f"frame of {size} bytes exceeds the {max_size}-byte limit", "send a smaller frame")
         msg = decode(_read(sock, size, fds, space, deadline), allowed)
+        attached = getattr(msg, msg.ATTACHED) if msg.ATTACHED else 0
+        if attached:
+            if not 0 < attached <= max_size:
+                raise FramingError(f"a {msg.kind} frame announces {attached} attached bytes, over the "
+                                   f"{max_size}-byte limit", "send a smaller frame")
+            msg.attach(_read(sock, attached, fds, space, deadline))
     except BaseException:
         _close(fds)
         raise
@@ -262,31 +309,32 @@ def recv(sock: socket.socket, max_size: int = MAX_REPLY, allowed: tuple[str, ...
 
 
 def _read(sock: socket.socket, n: int, fds: list[int], space: int, deadline: float | None,
-          allow_eof: bool = False) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
+          allow_eof: bool = False) -> bytearray | None:
+    buf = bytearray(n)
+    view, done = memoryview(buf), 0
+    while done < n:
         if deadline is not None:
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
         try:
-            data, anc, flags, _ = sock.recvmsg(n - len(buf), space, socket.MSG_CMSG_CLOEXEC)
+            got, anc, flags, _ = sock.recvmsg_into([view[done:]], space, socket.MSG_CMSG_CLOEXEC)
         except socket.timeout:
             if deadline is None:
                 raise
-            raise FramingError(f"frame not complete in time ({len(buf)} of {n} bytes)",
+            raise FramingError(f"frame not complete in time ({done} of {n} bytes)",
                                "send whole frames at once") from None
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                got = array.array("i")
-                got.frombytes(payload[:len(payload) - len(payload) % got.itemsize])
-                fds.extend(got)
+                received = array.array("i")
+                received.frombytes(payload[:len(payload) - len(payload) % received.itemsize])
+                fds.extend(received)
         if flags & socket.MSG_CTRUNC and space:
             raise FramingError("more file descriptors than the receiver accepts", f"send at most {MAX_FDS}")
-        if not data:
-            if allow_eof and not buf:
+        if not got:
+            if allow_eof and not done:
                 return None
-            raise FramingError(f"connection closed after {len(buf)} of {n} bytes", "send whole frames")
-        buf += data
-    return bytes(buf)
+            raise FramingError(f"connection closed after {done} of {n} bytes", "send whole frames")
+        done += got
+    return buf
 
 
 def _close(fds: list[int]) -> None:

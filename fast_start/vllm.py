@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,12 +153,16 @@ class FastStartLoader(BaseModelLoader):
         o = self.options
         device = _device(vllm_config)
         weights, registered = None, _registrations(vllm_config)
+        clock = [time.perf_counter()]
         try:
             spec = weight_spec(model_config, vllm_config)
             weights = fetch(spec, device, o.mode, fallback=False, socket_dir=o.socket_dir,
                             connect_timeout=o.connect_timeout_s)
+            clock.append(time.perf_counter())
             model = build(vllm_config, model_config, prefix, device)
+            clock.append(time.perf_counter())
             prepare(model, weights, model_config, device)
+            clock.append(time.perf_counter())
         except FastStartError as miss:
             if weights is not None:
                 model = None        # drop the half-installed model (and its mappings) before the disk load
@@ -169,9 +174,11 @@ class FastStartLoader(BaseModelLoader):
             log.warning("fast-start: cache miss for %s (%s%s); loading with vLLM's default loader",
                         model_config.model, miss.what, f"; differing fields: {', '.join(fields)}" if fields else "")
             return self.default_loader().load_model(vllm_config, model_config, prefix)
-        log.info("fast-start: %d tensors (%.1f MiB, %s) for rank %d of %d from the cache (%s)", len(weights),
+        fetched, built, prepared = (1e3 * (b - a) for a, b in zip(clock, clock[1:]))
+        log.info("fast-start: %d tensors (%.1f MiB, %s) for rank %d of %d from the cache (%s): fetch %.1f ms, "
+                 "model built %.1f ms, installed %.1f ms", len(weights),
                  sum(t.nbytes for t in weights.tensors.values()) / 2**20, weights.engine.get("stage", "loaded"),
-                 spec.rank, spec.tensor_parallel_size * spec.pipeline_parallel_size, o.mode)
+                 spec.rank, spec.tensor_parallel_size * spec.pipeline_parallel_size, o.mode, fetched, built, prepared)
         model.fast_start_source = weights.source
         if o.mode == "zero_copy":       # read by _count_mapped_weights on vLLM < 0.32
             model.fast_start_mapped_bytes = sum(t.nbytes for t in weights.tensors.values())

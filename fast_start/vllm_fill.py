@@ -199,7 +199,8 @@ def export(want, named, device: str, engine: dict, progress=None, keep: bool = F
     Names of one tensor object (tied weights) become aliases. Unless `keep`, each storage is
     freed once written, so the fill's peak stays near the model plus the arena.
     """
-    unique = _unique(named)
+    # Storages of one dtype, shape and stride together: an engine builds them as one view.
+    unique = sorted(_unique(named), key=lambda nt: (str(nt[1].dtype), tuple(nt[1].shape), nt[1].stride()))
     first = {id(t): name for name, t in unique}
     aliases = {name: first[id(t)] for name, t in named if first[id(t)] != name}
     bases, cursor, storages = {}, 0, []

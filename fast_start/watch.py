@@ -25,8 +25,10 @@ import os
 import struct
 from pathlib import Path
 
+from .errors import CheckpointError
+from .headers import INDEX, index_files
+
 log = logging.getLogger("fast_start.daemon")
-INDEX = "model.safetensors.index.json"
 
 Identity = dict[str, list[int]]     # file name -> [st_dev, st_ino, st_size, st_mtime_ns]
 
@@ -36,10 +38,10 @@ def checkpoint_files(folder: Path) -> list[str]:
     index = folder / INDEX
     if index.exists():
         try:
-            names = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            names = set(index_files(index))
+        except CheckpointError:
             names = set()               # unreadable now: its own identity still says it changed
-        names = {n for n in names if isinstance(n, str)} | {INDEX}
+        names |= {INDEX}
     else:
         names = {p.name for p in folder.glob("*.safetensors")}
     return sorted(names | {"config.json"})

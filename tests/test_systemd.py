@@ -47,8 +47,7 @@ from fast_start.watch import identity
 with connect("/run/fast-start/gpu0.sock", 10) as conn:
     request(conn, protocol.Hello(protocol.VERSION))
     reply, fds = request(conn, protocol.Acquire(fingerprint(WeightSpec(sys.argv[1], engine_version="test")).to_dict(),
-                                                "copy", identity(sys.argv[1])), with_fds=True)
-    request(conn, protocol.Release(reply.lease))
+                                                "copy", identity(sys.argv[1]), manifest="json"), with_fds=True)
 print(len(json.dumps(reply.manifest)))
 """
 # A Qwen3-MoE of 128 experts in 76 layers, tiny tensors: 29,000 of them, a 5.4 MB manifest.

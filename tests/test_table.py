@@ -1,0 +1,171 @@
+"""The tensor table and the one-round-trip acquire: what a fresh engine process parses and maps."""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+import fast_start
+from fast_start import protocol, table
+from fast_start.arena import from_table
+from fast_start.errors import ArenaError
+from fast_start.fingerprint import WeightSpec
+from fast_start.manifest import ArenaEntry, Manifest, TensorEntry, pack
+from fast_start.transport import connect, request
+from fast_start.watch import identity
+from devtools.harness import write_config
+
+
+def manifest_of(outputs, fp) -> Manifest:
+    entries, sizes = pack(outputs)
+    return Manifest(fp, tuple(ArenaEntry(s, "cpu") for s in sizes), tuple(entries), {})
+
+
+@pytest.fixture(scope="module")
+def fp(llama):
+    from fast_start.fingerprint import fingerprint
+    return fingerprint(WeightSpec(str(llama)))
+
+
+def moe_outputs(layers: int = 4, experts: int = 16) -> list:
+    """The names, dtypes and shapes of an MoE rank in the `hf` layout, in name order."""
+    out = []
+    for layer in range(layers):
+        for e in range(experts):
+            for proj, shape in (("down_proj", (64, 32)), ("gate_proj", (32, 64)), ("up_proj", (32, 64))):
+                out.append((f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", "bfloat16", shape))
+        out.append((f"model.layers.{layer}.input_layernorm.weight", "bfloat16", (64,)))
+    return out
+
+
+def test_tensors_of_a_shape_are_one_run_and_come_back_bit_for_bit(fp):
+    m = manifest_of(moe_outputs(), fp)
+    data = table.encode(m)
+    d, rows, names = table.parse(data)
+    runs = len(rows) // (table.FIXED + 2 * d)
+    assert len(names) == len(m.tensors) == 196 and runs == 3     # down, gate+up, norms
+    arena = torch.arange(m.arenas[0].size, dtype=torch.int64).to(torch.uint8)
+    got = from_table(data, [arena])
+    flat = arena.view(torch.bfloat16)
+    for e in m.tensors:
+        want = flat[e.offset // 2:(e.offset + e.nbytes) // 2].view(e.shape)
+        assert got[e.name].shape == e.shape and got[e.name].dtype == torch.bfloat16
+        assert got[e.name].data_ptr() == want.data_ptr()
+        assert torch.equal(got[e.name].view(torch.int16), want.view(torch.int16))
+
+
+def test_strided_entries_that_share_bytes_keep_their_strides(fp):
+    """vLLM's transposed FP8 weights: views with strides, two of them over one storage."""
+    entries = (TensorEntry("w", "float8_e4m3fn", (8, 4), 0, 0, 32, "", (1, 8)),
+               TensorEntry("w_t", "float8_e4m3fn", (4, 8), 0, 0, 32, ""),
+               TensorEntry("scale", "float32", (4,), 0, 256, 16, ""))
+    m = Manifest(fp, (ArenaEntry(512, "cpu"),), entries, {})
+    arena = torch.arange(512, dtype=torch.int64).to(torch.uint8)
+    got = from_table(table.encode(m), [arena])
+    base = arena[:32].view(torch.float8_e4m3fn)
+    assert got["w"].stride() == (1, 8) and got["w"].view(torch.uint8).equal(base.view(4, 8).t().view(torch.uint8))
+    assert got["w_t"].data_ptr() == got["w"].data_ptr()
+    assert got["scale"].equal(arena[256:272].view(torch.float32))
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "wrong magic"])
+def test_a_damaged_table_is_refused(fp, damage):
+    data = bytearray(table.encode(manifest_of(moe_outputs(1, 2), fp)))
+    if damage == "flipped byte":
+        data[-3] ^= 1
+    elif damage == "truncated":
+        del data[-8:]
+    else:
+        data[:4] = b"FST9"
+    with pytest.raises(ArenaError, match="tensor table is damaged"):
+        from_table(data, [torch.zeros(1 << 16, dtype=torch.uint8)])
+
+
+def forged(rows: list[list[int]], names: list[str], d: int) -> bytes:
+    """A table with a valid checksum around rows an attacker chose."""
+    body = struct.pack(f"<{sum(len(r) for r in rows)}q", *[x for r in rows for x in r]) + "\0".join(names).encode()
+    n = sum(r[0] for r in rows)
+    return table.HEADER.pack(table.MAGIC, n, len(rows), d, len("\0".join(names).encode()), zlib.crc32(body), 0) + body
+
+
+BF16 = table.CODES["bfloat16"]
+
+
+@pytest.mark.parametrize("row,why", [
+    ([1, 0, 4096, 2048, 0, BF16, 2, 32, 32, 32, 1], "past the arena's end"),
+    ([3, 1024, 2048, 2048, 0, BF16, 2, 32, 32, 32, 1], "a run whose last tensor ends past the arena"),
+    ([1, 0, 0, 2048, 1, BF16, 2, 32, 32, 32, 1], "an arena that was not sent"),
+    ([1, 0, 0, 2048, 0, 99, 2, 32, 32, 32, 1], "an unknown dtype"),
+    ([1, 0, 0, 4096, 0, BF16, 2, 32, 32, 32, 1], "nbytes that do not match the shape"),
+    ([1, 0, 1, 2048, 0, BF16, 2, 32, 32, 32, 1], "a misaligned offset"),
+    ([1, 0, 0, 2048, 0, BF16, 2, 32, 32, 2**62, 1], "a stride reaching past the end (no overflow)"),
+    ([1, 0, 0, 2048, 0, BF16, 2, -32, -32, 32, 1], "negative sizes"),
+    ([2, 0, 0, 2048, 0, BF16, 2, 32, 32, 32, 1], "a run with no step"),
+])
+def test_a_hostile_table_never_yields_a_view_outside_its_arena(row, why):
+    arena = torch.zeros(4096, dtype=torch.uint8)
+    names = [f"t{i}" for i in range(row[0])]
+    with pytest.raises(ArenaError):
+        from_table(forged([row], names, 2), [arena])
+
+
+def test_a_table_naming_a_tensor_twice_is_refused():
+    row = [2, 2048, 0, 2048, 0, BF16, 2, 32, 32, 32, 1]
+    with pytest.raises(ArenaError, match="names a tensor twice"):
+        from_table(forged([row], ["a", "a"], 2), [torch.zeros(4096, dtype=torch.uint8)])
+
+
+def test_one_round_trip_gives_lease_fds_and_table_and_answers_other_devices_with_a_miss(tmp_path, small, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run",
+                       [{"name": "small", "path": str(small), "gpus": [0], "engine_version": "test"}])
+    d = daemons(cfg)
+    from fast_start.fingerprint import fingerprint
+    want = fingerprint(WeightSpec(str(small), engine_version="test")).to_dict()
+    with connect(d.socket, 5) as conn:          # no Hello: the acquire says the protocol and the device
+        reply, fds = request(conn, protocol.Acquire(want, "zero_copy", identity(small), protocol.VERSION, "cpu"),
+                             with_fds=True)
+        assert isinstance(reply, protocol.Acquired) and len(reply.attachment) == reply.table > 0
+        assert "tensors" not in reply.manifest and reply.manifest["fingerprint"] == want
+        tensors = from_table(reply.attachment, [torch.frombuffer(bytearray(a["size"]), dtype=torch.uint8)
+                                                for a in reply.manifest["arenas"]])
+        for fd in fds:
+            os.close(fd)
+        other = request(conn, protocol.Acquire(want, "zero_copy", identity(small), protocol.VERSION, "GPU-other"))
+        assert isinstance(other, protocol.Miss) and other.fields == ["device"] and "serves cpu" in other.reason
+        with pytest.raises(fast_start.FastStartError, match="protocol version 2 is not spoken here"):
+            request(conn, protocol.Acquire(want, "zero_copy", identity(small), 2, "cpu"))
+        whole, fds = request(conn, protocol.Acquire(want, "copy", identity(small), manifest="json"), with_fds=True)
+        assert whole.table == 0 and len(whole.manifest["tensors"]) == len(tensors)
+        for fd in fds:
+            os.close(fd)
+    w = fast_start.fetch(WeightSpec(str(small), engine_version="test"), socket_dir=str(d.socket_dir), fallback=False)
+    disk = fast_start.fetch(WeightSpec(str(small), engine_version="test"), socket_dir=str(tmp_path / "none"))
+    assert w.source == "cache" and set(w) == set(disk) and all(torch.equal(w[n], disk[n]) for n in disk)
+
+
+def test_an_attachment_over_the_limit_closes_the_stream():
+    a, b = socket.socketpair()
+    with a, b:
+        msg = protocol.Acquired(1, "m", {}, 400).attach(b"x" * 400)
+        protocol.send(a, msg)
+        with pytest.raises(protocol.FramingError, match="announces 400 attached bytes"):
+            protocol.recv(b, max_size=200)
+        with pytest.raises(ValueError):
+            protocol.Acquired(1, "m", {}, 10).attach(b"short")
+
+
+def test_the_engine_side_imports_torch_and_the_client_only():
+    code = ("import sys, torch; before = set(sys.modules); import fast_start; fast_start.fetch; "
+            "print(' '.join(sorted(set(sys.modules) - before)))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    heavy = [m for m in loaded if m.split(".")[0] in ("typer", "rich", "safetensors", "click", "tomllib", "tomli")
+             or m.split(".")[:2] == ["cuda", "bindings"]
+             or m in ("fast_start.daemon", "fast_start.config", "fast_start.cli", "fast_start.materialize",
+                      "fast_start.manifest", "fast_start.checkpoint", "fast_start.cache")]
+    assert "fast_start.client" in loaded and heavy == [], heavy
