@@ -1,16 +1,24 @@
-"""The restart benchmark on a GPU (`python -m bench.restart --device cuda`).
+"""The restart benchmark on a GPU (`python -m bench.restart --device cuda`): every figure from
+fresh engine processes.
 
-For each size (default 4 GiB and 16 GiB Llama-shaped bf16 checkpoints, page cache hot) it
-measures in one run: `safetensors.torch.load_file(device="cuda")`; fast-start's disk path (bf16
-and fp8); a daemon's fill (bf16 and fp8, in its worker); `fetch` in `zero_copy` and `copy` mode
-(connect → weights ready, median of `--repeat`); a device-to-device clone of the same bytes
-(the bandwidth reference); and per-tensor legacy CUDA IPC (`reduce_tensor` per parameter,
-rebuilt in this process), the mechanism other weight-sharing daemons use. It also reads the
-serving daemon's own GPU memory from nvidia-smi.
+One daemon caches four models on GPU 0 (it is the multi-model daemon: each engine fetches one of
+them): Llama-shaped bf16 checkpoints of 4 and 16 GiB (hidden 4096), the 16 GiB one again served
+as float32 (a 32 GiB shard), and a Qwen3-MoE-shaped bf16 checkpoint in the `hf` layout with
+128 experts in each of 24 layers (9,435 tensors). Each engine is a fresh `python` that
+initialises CUDA, then times `import fast_start` (+ `fast_start.fetch`, the engine side) and its
+first `fetch(spec, device="cuda:0")` + `torch.cuda.synchronize()`: medians of `--repeat`.
+
+Side by side in the same run:
+- `--baseline DIR`: a fast-start tree of an earlier revision (its own daemon and engines, run
+  from DIR) on the same checkpoints, for before/after;
+- the legacy mechanism: a producer process holds the same tensors (`safetensors` to the GPU)
+  and publishes one CUDA IPC handle per tensor; a fresh consumer process rebuilds them all;
+- a device-to-device clone of the 16 GiB shard's bytes into newly allocated memory (what `copy`
+  mode is measured against);
+- `safetensors.torch.load_file` of the 16 GiB checkpoint to the GPU in a fresh process.
 """
 from __future__ import annotations
 
-import gc
 import json
 import statistics
 import subprocess
@@ -20,41 +28,157 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-import fast_start
-
-from fast_start import protocol
 from devtools import synth
-from fast_start.checkpoint import shard_files
-from fast_start.transport import connect, request
 from devtools.harness import Daemon, write_config
 
-# Producer for the legacy mechanism: weights on the GPU, one CUDA IPC handle per tensor.
+# One engine restart: CUDA is up before the clock starts, as in an engine that fetches its weights.
+ENGINE = """
+import json, sys, time, torch
+torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()
+t0 = time.perf_counter()
+import fast_start
+fast_start.fetch
+t1 = time.perf_counter()
+spec = fast_start.WeightSpec(sys.argv[1], dtype=sys.argv[4], engine_version="bench")
+w = fast_start.fetch(spec, device="cuda:0", mode=sys.argv[3], socket_dir=sys.argv[2], fallback=False)
+torch.cuda.synchronize()
+t2 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "fetch_s": t2 - t1, "source": w.source, "tensors": len(w),
+                  "bytes": sum(t.nbytes for t in w.tensors.values())}))
+"""
+# The same restart once more under cProfile: where a fetch's milliseconds go (the top by own time).
+PROFILED = ENGINE.replace("w = fast_start.fetch(", "import cProfile, io, pstats\nprofile = cProfile.Profile()\n"
+                          "w = profile.runcall(fast_start.fetch, ").replace(
+    "print(json.dumps(", "text = io.StringIO()\npstats.Stats(profile, stream=text).sort_stats('tottime').print_stats(14)\n"
+    "print(json.dumps({'profile': text.getvalue()}))\nprint(json.dumps(")
+
+# The legacy mechanism's producer: the tensors on the GPU, one CUDA IPC handle per tensor.
 IPC_PRODUCER = """
-import pickle, sys, torch, fast_start
+import pickle, sys, torch
+from pathlib import Path
+from safetensors.torch import load_file
 from torch.multiprocessing.reductions import reduce_tensor
-w = fast_start.fetch(fast_start.WeightSpec(sys.argv[1]), device="cuda:0", socket_dir=sys.argv[3])
-with open(sys.argv[2], "wb") as f:
-    pickle.dump([(n, reduce_tensor(t)) for n, t in w.tensors.items()], f)
+tensors = {}
+for f in sorted(Path(sys.argv[1]).glob("*.safetensors")):
+    tensors.update(load_file(str(f), device="cuda:0"))
+torch.cuda.synchronize()
+with open(sys.argv[2], "wb") as out:
+    pickle.dump([(n, reduce_tensor(t)) for n, t in tensors.items()], out)
 print("ready", flush=True)
 sys.stdin.readline()
 """
 
+# ... and a fresh consumer process that rebuilds every tensor from its handle.
+IPC_CONSUMER = """
+import json, pickle, sys, time, torch
+torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()
+t0 = time.perf_counter()
+with open(sys.argv[1], "rb") as f:
+    items = pickle.load(f)
+tensors = {n: fn(*args) for n, (fn, args) in items}
+torch.cuda.synchronize()
+print(json.dumps({"fetch_s": time.perf_counter() - t0, "tensors": len(tensors)}))
+"""
 
-def sync_time(fn) -> float:
-    torch.cuda.synchronize()
+LOAD_FILE = """
+import json, sys, time, torch
+from pathlib import Path
+from safetensors.torch import load_file
+torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()
+t0 = time.perf_counter()
+tensors = {}
+for f in sorted(Path(sys.argv[1]).glob("*.safetensors")):
+    tensors.update(load_file(str(f), device="cuda:0"))
+torch.cuda.synchronize()
+print(json.dumps({"fetch_s": time.perf_counter() - t0, "tensors": len(tensors)}))
+"""
+
+MOE = synth.Shape(architecture="Qwen3MoeForCausalLM", hidden_size=2048, num_layers=24, num_heads=16, num_kv_heads=4,
+                  head_dim=128, intermediate_size=6144, vocab_size=32000, num_experts=128, moe_intermediate_size=256)
+# case -> (checkpoint, dtype); copy mode is measured for the cases in COPY
+CASES = {"dense-4GiB": ("dense4", "bfloat16"), "dense-16GiB": ("dense16", "bfloat16"),
+         "dense-32GiB": ("dense16", "float32"), "moe-hf-9435": ("moe", "bfloat16")}
+COPY = ("dense-16GiB", "moe-hf-9435")
+
+
+def checkpoints(root: Path) -> dict[str, Path]:
+    return {"dense4": synth.cached(root, synth.llama_of_size(4 << 30, hidden_size=4096), files=1, reuse=True),
+            "dense16": synth.cached(root, synth.llama_of_size(16 << 30, hidden_size=4096), files=4, reuse=True),
+            "moe": synth.cached(root, MOE, files=4, reuse=True)}
+
+
+def fresh(script: str, *args: str, cwd: Path | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=cwd)
+    if out.returncode:
+        raise RuntimeError(f"engine failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def side(tree: Path, folders: dict[str, Path], tmp: Path, repeat: int, label: str) -> dict:
+    """One fast-start tree: its daemon caches every case, then fresh engines fetch each."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "fast_start")], check=True)  # as installed
+    run = tmp / f"run-{label}"
+    models = [{"name": case, "path": str(folders[ckpt]), "gpus": [0], "dtype": dtype, "engine_version": "bench"}
+              for case, (ckpt, dtype) in CASES.items()]
+    cfg = write_config(tmp / f"{label}.toml", run, models, device="cuda")
     t0 = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
-    del out
-    gc.collect()
-    return elapsed
+    daemon = Daemon(tmp, cfg, cwd=tree).wait_ready(1800)
+    r: dict = {"ready_s": round(time.perf_counter() - t0, 1), "daemon_gpu_bytes": gpu_memory_of(daemon.proc.pid),
+               "cases": {}}
+    print(f"[{label}] daemon READY in {r['ready_s']} s", flush=True)
+    try:
+        for case, (ckpt, dtype) in CASES.items():
+            c = r["cases"][case] = {}
+            for mode in ("zero_copy", "copy") if case in COPY else ("zero_copy",):
+                runs = [fresh(ENGINE, str(folders[ckpt]), str(run), mode, dtype, cwd=tree) for _ in range(repeat)]
+                assert all(x["source"] == "cache" for x in runs), runs
+                c.update(tensors=runs[0]["tensors"], bytes=runs[0]["bytes"])
+                c[f"{mode}_s"] = median_of(runs, "fetch_s")
+                c[f"{mode}_all_s"] = [round(x["fetch_s"], 5) for x in runs]
+                c.setdefault("import_runs", []).extend(x["import_s"] for x in runs)
+            c["import_s"] = statistics.median(c.pop("import_runs"))
+            if label != "after":
+                continue
+            out = subprocess.run([sys.executable, "-c", PROFILED, str(folders[ckpt]), str(run), "zero_copy", dtype],
+                                 capture_output=True, text=True, cwd=tree).stdout.strip().splitlines()
+            c["profile"] = json.loads(out[-2])["profile"] if len(out) >= 2 else ""
+            print(f"[{label}] {case}: {c['tensors']} tensors, zero_copy {c['zero_copy_s'] * 1e3:.2f} ms"
+                  + (f", copy {c['copy_s'] * 1e3:.2f} ms" if "copy_s" in c else ""), flush=True)
+    finally:
+        daemon.stop()
+    return r
 
 
-def median(fn, n: int) -> float:
-    return statistics.median(sync_time(fn) for _ in range(n))
+def legacy_ipc(folder: Path, tmp: Path, repeat: int) -> float:
+    handles = tmp / "ipc.pickle"
+    producer = subprocess.Popen([sys.executable, "-c", IPC_PRODUCER, str(folder), str(handles)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert producer.stdout.readline().strip() == "ready"
+        return median_of([fresh(IPC_CONSUMER, str(handles)) for _ in range(repeat)], "fetch_s")
+    finally:
+        producer.communicate("done\n", timeout=300)
+
+
+def d2d_clone_s(nbytes: int, repeat: int = 5) -> float:
+    block = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    times = []
+    for _ in range(repeat):
+        torch.cuda.empty_cache()        # each clone allocates its memory, as a fresh engine's copy does
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        copy = block.clone()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        del copy
+    del block
+    torch.cuda.empty_cache()
+    return statistics.median(times)
 
 
 def gpu_memory_of(pid: int) -> int:
@@ -64,96 +188,59 @@ def gpu_memory_of(pid: int) -> int:
     return used.get(pid, 0) * 2**20
 
 
-def legacy_ipc(folder: Path, tmp: Path, repeat: int) -> float:
-    handles = tmp / "ipc.pickle"
-    producer = subprocess.Popen([sys.executable, "-c", IPC_PRODUCER, str(folder), str(handles), str(tmp / "none")],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert producer.stdout.readline().strip() == "ready"
-        import pickle     # the peers' mechanism is pickle-based; fast-start's own protocol is not
-        items = pickle.loads(handles.read_bytes())
+def report(r: dict) -> list[str]:
+    now, before = r["after"]["cases"], (r.get("before") or {}).get("cases", {})
 
-        def rebuild():
-            return {n: fn(*args) for n, (fn, args) in items}
-        return median(rebuild, repeat)
-    finally:
-        producer.communicate("done\n", timeout=120)
-
-
-def measure(size: int, root: Path, repeat: int) -> dict:
-    shape = synth.llama_of_size(size, hidden_size=4096)
-    folder = synth.cached(root, shape, files=max(1, size // 2**32), reuse=True)
-    files = [folder / f for f in shard_files(folder)]
-    nbytes = sum(f.stat().st_size for f in files)
-    r = {"checkpoint_bytes": nbytes, "tensors": len(synth.required_tensors(shape.dims()))}
-    for f in files:
-        load_file(str(f), device="cuda:0")                     # warm the page cache
-    r["load_file_s"] = median(lambda: [load_file(str(f), device="cuda:0") for f in files], 3)
-    with tempfile.TemporaryDirectory(prefix="fast-start-bench-") as tmp:
-        tmp = Path(tmp)
-        none = str(tmp / "none")
-        for q in ("none", "fp8"):
-            spec = fast_start.WeightSpec(str(folder), quantization=q, engine_version="bench")
-            r[f"disk_{q}_s"] = median(lambda: fast_start.fetch(spec, device="cuda:0", socket_dir=none), 3)
-        models = [{"name": q, "path": str(folder), "gpus": [0], "quantization": q, "engine_version": "bench"}
-                  for q in ("none", "fp8")]
-        cfg = write_config(tmp / "fs.toml", tmp / "run", models, device="cuda")
-        daemon = Daemon(tmp, cfg).wait_ready(900)
-        try:
-            with connect(daemon.socket, 10) as conn:
-                request(conn, protocol.Hello(protocol.VERSION))
-                models = {m["name"]: m for m in request(conn, protocol.Status()).body["models"]}
-            r["fill_none_s"], r["fill_fp8_s"] = models["none"]["fill_seconds"], models["fp8"]["fill_seconds"]
-            r["daemon_gpu_bytes"] = gpu_memory_of(daemon.proc.pid)
-            spec = fast_start.WeightSpec(str(folder), engine_version="bench")
-            run = str(tmp / "run")
-            for mode in ("zero_copy", "copy"):
-                r[f"{mode}_s"] = median(lambda: fast_start.fetch(spec, device="cuda:0", mode=mode, socket_dir=run,
-                                                                 fallback=False), repeat)
-            r["weights_bytes"] = models["none"]["bytes"]
-        finally:
-            daemon.stop()
-        block = torch.empty(r["weights_bytes"], dtype=torch.uint8, device="cuda:0")
-        r["d2d_clone_s"] = median(block.clone, 5)
-        del block
-        r["legacy_ipc_s"] = legacy_ipc(folder, tmp, 3)
-    return r
-
-
-def report(results: dict) -> list[str]:
-    lines = []
-    for size, r in results["sizes"].items():
-        gb = r["checkpoint_bytes"] / 1e9
-        lines += [f"== {size}: {gb:.2f} GB checkpoint, {r['tensors']} tensors ==",
-                  f"safetensors load_file (hot)   {r['load_file_s']:8.3f} s  {gb / r['load_file_s']:6.2f} GB/s",
-                  f"fast-start disk path bf16     {r['disk_none_s']:8.3f} s  {gb / r['disk_none_s']:6.2f} GB/s",
-                  f"fast-start disk path fp8      {r['disk_fp8_s']:8.3f} s  {gb / r['disk_fp8_s']:6.2f} GB/s",
-                  f"daemon fill bf16              {r['fill_none_s']:8.3f} s  {gb / r['fill_none_s']:6.2f} GB/s"
-                  f"  ({r['load_file_s'] / r['fill_none_s']:.0%} of load_file throughput)",
-                  f"daemon fill fp8               {r['fill_fp8_s']:8.3f} s  {gb / r['fill_fp8_s']:6.2f} GB/s"
-                  f"  ({r['load_file_s'] / r['fill_fp8_s']:.0%} of load_file throughput)",
-                  f"fetch zero_copy (median)      {r['zero_copy_s'] * 1e3:8.2f} ms  "
-                  f"{r['load_file_s'] / r['zero_copy_s']:6.0f}x vs load_file, "
-                  f"{r['legacy_ipc_s'] / r['zero_copy_s']:.1f}x vs legacy IPC",
-                  f"fetch copy (median)           {r['copy_s'] * 1e3:8.2f} ms  "
-                  f"{r['weights_bytes'] / r['copy_s'] / 1e9:6.0f} GB/s = "
-                  f"{r['d2d_clone_s'] / r['copy_s']:.0%} of the d2d clone",
-                  f"d2d clone of the same bytes   {r['d2d_clone_s'] * 1e3:8.2f} ms  "
-                  f"{r['weights_bytes'] / r['d2d_clone_s'] / 1e9:6.0f} GB/s",
-                  f"legacy per-tensor CUDA IPC    {r['legacy_ipc_s'] * 1e3:8.2f} ms",
-                  f"serving daemon's GPU memory   {r['daemon_gpu_bytes'] / 2**20:8.0f} MiB"]
+    def ms(x: float | None) -> str:
+        return f"{x * 1e3:9.2f}" if x is not None else "        —"
+    lines = [f"fresh engine processes, medians of {r['repeat']} (before: {r.get('baseline_repeat', '—')}); "
+             f"times in ms; before = {r.get('baseline', 'none')}",
+             f"{'case':13} {'tensors':>7} {'GB':>6} | {'import':>9} {'before':>9} | {'zero_copy':>9} {'before':>9} | "
+             f"{'copy':>9} {'before':>9} | {'IPC':>9}"]
+    for case, c in now.items():
+        b = before.get(case, {})
+        lines.append(f"{case:13} {c['tensors']:7d} {c['bytes'] / 1e9:6.2f} | {ms(c['import_s'])} {ms(b.get('import_s'))} | "
+                     f"{ms(c['zero_copy_s'])} {ms(b.get('zero_copy_s'))} | {ms(c.get('copy_s'))} {ms(b.get('copy_s'))} | "
+                     f"{ms(r['legacy_ipc_s'].get(case))}")
+    d16, d4, d32, moe = now["dense-16GiB"], now["dense-4GiB"], now["dense-32GiB"], now["moe-hf-9435"]
+    clone_gbs = d16["bytes"] / r["d2d_clone_s"] / 1e9
+    copy_gbs = d16["bytes"] / d16["copy_s"] / 1e9
+    lines += [
+        f"safetensors load_file, 16 GiB checkpoint, fresh process: {r['load_file_s']:.3f} s "
+        f"({r['load_file_s'] / d16['zero_copy_s']:.0f}x the zero_copy fetch)",
+        f"zero_copy 16 GiB dense {d16['zero_copy_s'] * 1e3:.2f} ms (target <= 10); "
+        f"MoE {moe['tensors']} tensors {moe['zero_copy_s'] * 1e3:.2f} ms (target <= 20)",
+        f"flat: 32 GiB / 4 GiB = {d32['zero_copy_s'] / d4['zero_copy_s']:.2f} (target <= 1.3)",
+        f"legacy per-tensor CUDA IPC / zero_copy: 16 GiB {r['legacy_ipc_s']['dense-16GiB'] / d16['zero_copy_s']:.1f}x, "
+        f"MoE {r['legacy_ipc_s']['moe-hf-9435'] / moe['zero_copy_s']:.1f}x (target >= 5)",
+        f"copy 16 GiB {copy_gbs:.0f} GB/s = {copy_gbs / clone_gbs:.0%} of the d2d clone's {clone_gbs:.0f} GB/s "
+        f"(target >= 60%)",
+        f"import fast_start on top of torch: {max(c['import_s'] for c in now.values()) * 1e3:.1f} ms, the largest "
+        f"median (target <= 20)",
+        f"daemon: READY in {r['after']['ready_s']} s holding {r['after']['daemon_gpu_bytes'] / 2**20:.0f} MiB of GPU memory"]
     return lines
 
 
-def main(sizes: list[int], repeat: int, root: Path, out: Path) -> None:
+def main(root: Path, out: Path, repeat: int, baseline: Path | None, baseline_repeat: int) -> None:
     props = torch.cuda.get_device_properties(0)
     driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                             capture_output=True, text=True).stdout.split("\n")[0]
-    results = {"date": time.strftime("%Y-%m-%d"), "gpu": props.name, "driver": driver, "torch": torch.__version__,
-               "cuda": torch.version.cuda, "repeat": repeat, "sizes": {}}
-    for size in sizes:
-        results["sizes"][f"{size / 2**30:g}GiB"] = measure(size, root, repeat)
-        print("\n".join(report({"sizes": {f"{size / 2**30:g}GiB": results["sizes"][f"{size / 2**30:g}GiB"]}})),
-              flush=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(f"{results['gpu']}, driver {driver}, torch {results['torch']}, CUDA {results['cuda']}; wrote {out}")
+    r: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": props.name, "driver": driver, "torch": torch.__version__,
+               "cuda": torch.version.cuda, "python": sys.version.split()[0], "repeat": repeat}
+    t0 = time.perf_counter()
+    folders = checkpoints(root)
+    print(f"checkpoints ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    with tempfile.TemporaryDirectory(prefix="fast-start-bench-") as tmp:
+        tmp = Path(tmp)
+        r["after"] = side(Path.cwd(), folders, tmp, repeat, "after")
+        out.write_text(json.dumps(r, indent=1))
+        r["legacy_ipc_s"] = {case: legacy_ipc(folders[CASES[case][0]], tmp, repeat) for case in COPY}
+        r["d2d_clone_s"] = d2d_clone_s(r["after"]["cases"]["dense-16GiB"]["bytes"])
+        r["load_file_s"] = fresh(LOAD_FILE, str(folders["dense16"]))["fetch_s"]
+        out.write_text(json.dumps(r, indent=1))
+        if baseline is not None:
+            r.update(baseline=str(baseline), baseline_repeat=baseline_repeat)
+            r["before"] = side(baseline.resolve(), folders, tmp, baseline_repeat, "before")
+    out.write_text(json.dumps(r, indent=1))
+    print("\n".join(report(r)))
+    print(f"{r['gpu']}, driver {driver}, torch {r['torch']}, CUDA {r['cuda']}, Python {r['python']}; wrote {out}")

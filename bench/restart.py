@@ -70,11 +70,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="where the synthetic checkpoint is kept between runs")
     ap.add_argument("--json", default="bench.json", help="where to write the results")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--sizes", default="4GiB,16GiB", help="with --device cuda: checkpoint sizes side by side")
+    ap.add_argument("--baseline", help="with --device cuda: an earlier fast-start tree, measured side by side")
+    ap.add_argument("--baseline-repeat", type=int, default=5)
     args = ap.parse_args(argv)
     if args.device == "cuda":
         from bench import gpu as bench_gpu
-        bench_gpu.main([parse_bytes(s) for s in args.sizes.split(",")], args.repeat, Path(args.dir), Path(args.json))
+        bench_gpu.main(Path(args.dir), Path(args.json), args.repeat, args.baseline and Path(args.baseline),
+                       args.baseline_repeat)
         return
     shape = synth.llama_of_size(parse_bytes(args.size))
     folder = synth.cached(args.dir, shape, files=4)

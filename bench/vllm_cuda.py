@@ -26,7 +26,14 @@ DENSE = synth.Shape(architecture="Qwen3ForCausalLM", hidden_size=1024, num_layer
                     head_dim=128, intermediate_size=3072, vocab_size=4096)
 MOE = synth.Shape(architecture="Qwen3MoeForCausalLM", hidden_size=1024, num_layers=4, num_heads=8, num_kv_heads=2,
                   head_dim=128, intermediate_size=3072, vocab_size=4096, num_experts=8, moe_intermediate_size=768)
-MODELS = {"qwen3-bf16": (DENSE, None), "qwen3-fp8": (DENSE, "block"), "moe-fp8": (MOE, "block")}
+# The shape of Qwen3-8B (16.4 GB in bf16), random weights.
+QWEN3_8B = synth.Shape(architecture="Qwen3ForCausalLM", hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+                       head_dim=128, intermediate_size=12288, vocab_size=151936)
+MODELS = {"qwen3-bf16": (DENSE, None), "qwen3-fp8": (DENSE, "block"), "moe-fp8": (MOE, "block"),
+          "qwen3-8b": (QWEN3_8B, None)}
+# FAST_START_BENCH_PROFILE=1: the default loader and zero_copy only, each engine with vLLM's model
+# loading under cProfile (OUT/<engine>.profile.txt; the engine core then runs in-process).
+PROFILE = os.environ.get("FAST_START_BENCH_PROFILE") == "1"
 
 
 def run(name: str, args: list[str], log: Path, timeout: float = 300) -> int:
@@ -37,12 +44,13 @@ def run(name: str, args: list[str], log: Path, timeout: float = 300) -> int:
             return -1
 
 
-def engine(name: str, model: Path, load_format: str = "auto", extra: dict | None = None) -> dict:
+def engine(name: str, model: Path, load_format: str = "auto", extra: dict | None = None, profile: bool = False) -> dict:
     out, log = WORK / f"{name}.json", OUT / f"{name}.log"
     out.unlink(missing_ok=True)
     start = time.monotonic()
     rc = run(name, ["-m", "bench.vllm_cuda_engine", json.dumps(
-        {"model": str(model), "load_format": load_format, "extra": extra or {}, "out": str(out)})], log)
+        {"model": str(model), "load_format": load_format, "extra": extra or {}, "out": str(out),
+         "profile": str(OUT / f"{name}.profile.txt") if profile else ""})], log)
     text = log.read_text(errors="replace")
     r = json.loads(out.read_text()) if out.exists() else {}
     r.update(rc=rc, wall_s=round(time.monotonic() - start, 1),
@@ -91,20 +99,24 @@ def main() -> None:
         shape, fp8 = MODELS[name]
         paths[name] = WORK / name
         if not (paths[name] / "config.json").exists():
-            synth.write_checkpoint(paths[name], shape, fp8=fp8, seed=7)
+            big = shape.nbytes() > 2**30
+            synth.write_checkpoint(paths[name], shape, fp8=fp8, seed=7, files=4 if big else 1, reuse=big)
     summary = {"vllm": vllm.__version__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
                "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}
-    engine("warmup", paths[chosen[0]])        # the first engine on a machine pays kernel warm-up
+    warm = WORK / "warmup"
+    if not (warm / "config.json").exists():
+        synth.write_checkpoint(warm, DENSE, seed=7)
+    engine("warmup", warm)                     # the first engine on a machine pays kernel warm-up
     proc, run_dir, ready_s = daemon(paths)
     summary["daemon_ready_s"] = ready_s
     try:
         for name in chosen:
-            r = summary[name] = {"default": engine(f"{name}-default", paths[name])}
+            r = summary[name] = {"default": engine(f"{name}-default", paths[name], profile=PROFILE)}
             if run_dir is None:
                 continue
-            for mode in ("zero_copy", "copy"):
-                r[mode] = engine(f"{name}-{mode}", paths[name], "fast_start",
-                                 {"mode": mode, "socket_dir": str(run_dir), "fallback": False})
+            options = {"socket_dir": str(run_dir), "fallback": False}
+            for mode in ("zero_copy",) if PROFILE else ("zero_copy", "copy"):
+                r[mode] = engine(f"{name}-{mode}", paths[name], "fast_start", {**options, "mode": mode}, PROFILE)
                 r[mode]["same_tokens"] = r[mode].get("tokens") == r["default"].get("tokens")
                 r[mode]["same_digest"] = r[mode].get("digest") == r["default"].get("digest")
             (OUT / "summary.json").write_text(json.dumps(summary, indent=1))

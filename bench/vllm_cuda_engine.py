@@ -12,8 +12,11 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")     # apply_model sends a function
+if json.loads(sys.argv[1]).get("profile"):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 import torch
 from vllm import LLM, SamplingParams
@@ -25,22 +28,53 @@ def report(model: torch.nn.Module) -> dict:
     segments = [(s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory_snapshot()]
     inside = [n for n, p in model.named_parameters()
               if p.numel() and any(lo <= p.data_ptr() < hi for lo, hi in segments)]
+    from fast_start.arena import checksum     # on the GPU: a 16 GB model's bytes need not cross to the host
     h = hashlib.sha256()
     for n, t in sorted([*model.named_parameters(), *model.named_buffers()]):
-        h.update(n.encode())
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+        h.update(f"{n}\0{t.dtype}\0{tuple(t.shape)}\0{checksum(t)}".encode())
     return {"digest": h.hexdigest()[:24], "inside_allocator": inside[:20], "inside_count": len(inside),
             "params": sum(1 for _ in model.parameters()), "source": getattr(model, "fast_start_source", None)}
 
 
+def profiled(out: str) -> None:
+    """cProfile vLLM's whole "Model loading" window (GPUModelRunner.load_model) into `out`; the
+    engine core then runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set before vLLM's import)."""
+    import cProfile
+    import importlib
+    import io
+    import pstats
+
+    def wrap(load):
+        def load_model(self, *a, **kw):
+            profile = cProfile.Profile()
+            result = profile.runcall(load, self, *a, **kw)
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(60)
+            with open(out, "w") as f:
+                f.write(text.getvalue())
+            return result
+        return load_model
+    for module in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"):   # 0.26 runs the second
+        try:
+            runner = importlib.import_module(module).GPUModelRunner
+        except (ImportError, AttributeError):
+            continue
+        runner.load_model = wrap(runner.load_model)
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
+    if args.get("profile"):
+        profiled(args["profile"])
+    start = time.perf_counter()
     llm = LLM(args["model"], load_format=args.get("load_format", "auto"),
               model_loader_extra_config=args.get("extra") or {}, dtype="bfloat16", skip_tokenizer_init=True,
               max_model_len=512, enforce_eager=True, gpu_memory_utilization=0.3, seed=0)
+    llm_s = time.perf_counter() - start
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                            SamplingParams(temperature=0.0, max_tokens=16, detokenize=False))
-    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], **llm.apply_model(report)[0]}
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "llm_s": round(llm_s, 3),
+              **llm.apply_model(report)[0]}
     with open(args["out"], "w") as f:
         json.dump(result, f)
 

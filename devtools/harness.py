@@ -115,9 +115,12 @@ class Daemon:
     _count = itertools.count()
 
     def __init__(self, tmp: Path, config: Path, gpu: int = 0, env: dict | None = None, log=None,
-                 listen: dict[str, int] | None = None, rlimits: dict[int, int] | None = None):
+                 listen: dict[str, int] | None = None, rlimits: dict[int, int] | None = None,
+                 cwd: Path | None = None):
         """`listen`: FDNAME -> fd handed to the daemon as systemd does (LISTEN_FDS, from fd 3 on).
-        `rlimits`: resource limits of the daemon (and its workers), e.g. {RLIMIT_NOFILE: 1024}."""
+        `rlimits`: resource limits of the daemon (and its workers), e.g. {RLIMIT_NOFILE: 1024}.
+        `cwd`: where it runs; `python -m` imports fast-start from there first (a benchmark's
+        baseline tree)."""
         self.config, self.gpu = config, gpu
         # Read the socket directory without validating: tests start daemons on bad configs on purpose.
         self.socket_dir = Path(tomllib.loads(config.read_text())["daemon"]["socket_dir"])
@@ -134,7 +137,7 @@ class Daemon:
             def limit():
                 for which, value in (rlimits or {}).items():
                     resource.setrlimit(which, (value, value))
-            self.proc = subprocess.Popen(command, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(command, env=full_env, stdout=log_file, stderr=subprocess.STDOUT, cwd=cwd,
                                          pass_fds=list(listen.values()), preexec_fn=limit)
 
     def wait_ready(self, timeout: float = 120.0) -> "Daemon":
