@@ -4,9 +4,10 @@ fresh engine processes.
 One daemon caches four models on GPU 0 (it is the multi-model daemon: each engine fetches one of
 them): Llama-shaped bf16 checkpoints of 4 and 16 GiB (hidden 4096), the 16 GiB one again served
 as float32 (a 32 GiB shard), and a Qwen3-MoE-shaped bf16 checkpoint in the `hf` layout with
-128 experts in each of 24 layers (9,435 tensors). Each engine is a fresh `python` that
-initialises CUDA, then times `import fast_start` (+ `fast_start.fetch`, the engine side) and its
-first `fetch(spec, device="cuda:0")` + `torch.cuda.synchronize()`: medians of `--repeat`.
+128 experts in each of 24 layers (9,435 tensors). Each engine is a new process (forked from one
+that has imported torch and nothing else: no CUDA context, no fast_start) that initialises CUDA,
+then times `import fast_start` (+ `fast_start.fetch`, the engine side) and its first
+`fetch(spec, device="cuda:0")` + `torch.cuda.synchronize()`: medians of `--repeat`.
 
 Side by side in the same run:
 - `--baseline DIR`: a fast-start tree of an earlier revision (its own daemon and engines, run
@@ -48,10 +49,12 @@ print(json.dumps({"import_s": t1 - t0, "fetch_s": t2 - t1, "source": w.source, "
                   "bytes": sum(t.nbytes for t in w.tensors.values())}))
 """
 # The same restart once more under cProfile: where a fetch's milliseconds go (the top by own time).
-PROFILED = ENGINE.replace("w = fast_start.fetch(", "import cProfile, io, pstats\nprofile = cProfile.Profile()\n"
-                          "w = profile.runcall(fast_start.fetch, ").replace(
-    "print(json.dumps(", "text = io.StringIO()\npstats.Stats(profile, stream=text).sort_stats('tottime').print_stats(14)\n"
-    "print(json.dumps({'profile': text.getvalue()}))\nprint(json.dumps(")
+PROFILED = ENGINE.replace(
+    "w = fast_start.fetch(spec", "import cProfile, io, pstats\nprofile = cProfile.Profile()\n"
+    "w = profile.runcall(fast_start.fetch, spec").replace(
+    'print(json.dumps({"import_s"', 'text = io.StringIO()\n'
+    'pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)\n'
+    'print(json.dumps({"profile": text.getvalue(), "import_s"')
 
 # The legacy mechanism's producer: the tensors on the GPU, one CUDA IPC handle per tensor.
 IPC_PRODUCER = """
@@ -108,11 +111,62 @@ def checkpoints(root: Path) -> dict[str, Path]:
             "moe": synth.cached(root, MOE, files=4, reuse=True)}
 
 
+# Engines are forked from a process that has imported torch and nothing else (no CUDA context,
+# no fast_start): each child is a new process with its own CUDA context and its first `import
+# fast_start`, as a restarted engine is, without paying torch's import (seconds) for every sample.
+SPAWNER = """
+import json, os, sys, traceback
+import torch
+assert not torch.cuda.is_initialized() and "fast_start" not in sys.modules
+for line in sys.stdin:
+    job = json.loads(line)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        sys.argv = ["engine", *job["args"]]
+        sys.stdout = os.fdopen(w, "w")
+        try:
+            exec(compile(job["script"], "<engine>", "exec"), {"__name__": "__main__"})
+            sys.stdout.flush()
+            os._exit(0)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"status": status, "out": out}), flush=True)
+"""
+_spawners: dict[Path, subprocess.Popen] = {}
+
+
 def fresh(script: str, *args: str, cwd: Path | None = None) -> dict:
-    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=cwd)
-    if out.returncode:
-        raise RuntimeError(f"engine failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """Run `script` with `args` in a fresh process forked in `cwd` (whose fast_start it imports);
+    the JSON object its last line prints."""
+    cwd = (cwd or Path.cwd()).resolve()
+    spawner = _spawners.get(cwd)
+    if spawner is None:
+        spawner = _spawners[cwd] = subprocess.Popen([sys.executable, "-c", SPAWNER], cwd=cwd, text=True,
+                                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    spawner.stdin.write(json.dumps({"script": script, "args": list(args)}) + "\n")
+    spawner.stdin.flush()
+    line = spawner.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the engine spawner in {cwd} exited (rc {spawner.poll()})")
+    reply = json.loads(line)
+    if reply["status"]:
+        raise RuntimeError(f"engine failed (status {reply['status']}); its traceback is on stderr")
+    return json.loads(reply["out"].strip().splitlines()[-1])
+
+
+def close_spawners() -> None:
+    for spawner in _spawners.values():
+        spawner.stdin.close()
+        spawner.wait(60)
+    _spawners.clear()
 
 
 def median_of(runs: list[dict], key: str) -> float:
@@ -144,9 +198,7 @@ def side(tree: Path, folders: dict[str, Path], tmp: Path, repeat: int, label: st
             c["import_s"] = statistics.median(c.pop("import_runs"))
             if label != "after":
                 continue
-            out = subprocess.run([sys.executable, "-c", PROFILED, str(folders[ckpt]), str(run), "zero_copy", dtype],
-                                 capture_output=True, text=True, cwd=tree).stdout.strip().splitlines()
-            c["profile"] = json.loads(out[-2])["profile"] if len(out) >= 2 else ""
+            c["profile"] = fresh(PROFILED, str(folders[ckpt]), str(run), "zero_copy", dtype, cwd=tree)["profile"]
             print(f"[{label}] {case}: {c['tensors']} tensors, zero_copy {c['zero_copy_s'] * 1e3:.2f} ms"
                   + (f", copy {c['copy_s'] * 1e3:.2f} ms" if "copy_s" in c else ""), flush=True)
     finally:
@@ -227,6 +279,14 @@ def main(root: Path, out: Path, repeat: int, baseline: Path | None, baseline_rep
                             capture_output=True, text=True).stdout.split("\n")[0]
     r: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": props.name, "driver": driver, "torch": torch.__version__,
                "cuda": torch.version.cuda, "python": sys.version.split()[0], "repeat": repeat}
+    try:
+        run_all(r, root, out, repeat, baseline, baseline_repeat)
+    finally:
+        close_spawners()
+    print(f"{r['gpu']}, driver {driver}, torch {r['torch']}, CUDA {r['cuda']}, Python {r['python']}; wrote {out}")
+
+
+def run_all(r: dict, root: Path, out: Path, repeat: int, baseline: Path | None, baseline_repeat: int) -> None:
     t0 = time.perf_counter()
     folders = checkpoints(root)
     print(f"checkpoints ready in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -243,4 +303,3 @@ def main(root: Path, out: Path, repeat: int, baseline: Path | None, baseline_rep
             r["before"] = side(baseline.resolve(), folders, tmp, baseline_repeat, "before")
     out.write_text(json.dumps(r, indent=1))
     print("\n".join(report(r)))
-    print(f"{r['gpu']}, driver {driver}, torch {r['torch']}, CUDA {r['cuda']}, Python {r['python']}; wrote {out}")
