@@ -112,7 +112,10 @@ def _from_cache(want: Fingerprint, files: watch.Identity, device: torch.device, 
             return weights
         for fd in fds:
             os.close(fd)
-        if reply.fields != ["device"]:      # a daemon of another GPU: not a miss of ours
+        if not isinstance(reply, protocol.Miss):
+            misses.append((f"{path}: a {reply.kind!r} reply to an acquire", "use a fast-start client of the daemon's "
+                           "version", ()))
+        elif reply.fields != ["device"]:      # a daemon of another GPU: not a miss of ours
             misses.append((reply.reason + (f" (model {reply.model!r})" if reply.model else ""),
                            reply.fix or "run `fast-start fingerprints` and compare with this engine's spec",
                            reply.fields))

@@ -81,9 +81,14 @@ def parse(data: bytes | bytearray) -> tuple[int, array, list[str]]:
     rows.frombytes(view[:size])
     if sys.byteorder != "little":
         rows.byteswap()
-    names = bytes(view[size:]).decode().split("\0") if n else []
-    if len(names) != n or sum(rows[::FIXED + 2 * d]) != n:
-        raise ArenaError(f"tensor table has {len(names)} names for {n} tensors", "evict and refill the model")
+    try:
+        names = bytes(view[size:]).decode().split("\0") if n else []
+    except UnicodeDecodeError:
+        names = []
+    counts = rows[::FIXED + 2 * d]
+    if len(names) != n or sum(counts) != n or min(counts, default=1) < 1:
+        raise ArenaError(f"tensor table has {len(names)} names for {n} tensors in runs of {list(counts[:8])}",
+                         "evict and refill the model")
     return d, rows, names
 
 

@@ -115,6 +115,12 @@ def test_a_hostile_table_never_yields_a_view_outside_its_arena(row, why):
         from_table(forged([row], names, 2), [arena])
 
 
+def test_runs_whose_counts_do_not_add_up_to_the_names_are_refused():
+    rows = [[5, 256, 0, 256, 0, BF16, 1, 128, 0, 1, 0], [-2, 256, 0, 256, 0, BF16, 1, 128, 0, 1, 0]]
+    with pytest.raises(ArenaError, match="names for 3 tensors"):
+        from_table(forged(rows, ["a", "b", "c"], 2), [torch.zeros(4096, dtype=torch.uint8)])
+
+
 def test_a_table_naming_a_tensor_twice_is_refused():
     row = [2, 2048, 0, 2048, 0, BF16, 2, 32, 32, 32, 1]
     with pytest.raises(ArenaError, match="names a tensor twice"):
