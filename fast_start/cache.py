@@ -176,7 +176,7 @@ class Cache:
         else:
             reply = protocol.Acquired(lease.id, best.model.name, best.head, len(best.table)).attach(best.table)
         keep = msg.mode == "zero_copy"
-        return reply, best.fds, lambda sent: self._sent(best, lease, (sent and keep) or lease.id < first_new)
+        return reply, best.fds, lambda sent: self._sent(best, lease, (sent and keep) or lease.id < first_new, sent)
 
     def _miss(self, want: Fingerprint, closest: Entry | None) -> protocol.Miss:
         """No entry holds `want` (under the lock): say why as exactly as the daemon knows."""
@@ -238,16 +238,17 @@ class Cache:
             self.leases[lease.id] = lease
         return lease
 
-    def _sent(self, entry: Entry, lease: Lease, keep: bool) -> None:
+    def _sent(self, entry: Entry, lease: Lease, keep: bool, sent: bool) -> None:
         """A reply carrying `entry`'s fds is out, or failed: a lease made for it ends unless kept
-        (a copy-mode lease ends here, and `on_release` applies as for a release)."""
+        (a copy-mode lease ends here, and once its reply is out `on_release` applies as for a
+        release)."""
         with self.lock:
             entry.pins -= 1
             ended = not keep and lease.id in self.leases
             if ended:
                 self._drop_lease(lease)
             close = entry.retired and entry.pins == 0
-            evict = ended and lease.mode == "copy" and self.on_release == "drop" and \
+            evict = sent and ended and lease.mode == "copy" and self.on_release == "drop" and \
                 self.entries.get(lease.model) is entry
         if close:
             entry.close()

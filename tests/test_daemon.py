@@ -108,9 +108,9 @@ def test_copy_mode_releases_and_drop_evicts(tmp_path, small, daemons):
     w = fast_start.fetch(spec, socket_dir=str(tmp_path / "run"), mode="copy", fallback=False)
     assert w.source == "cache"
     w["model.norm.weight"].add_(1)                       # ours to write
-    s = status(d)
-    assert s["models"] == [] and s["leases"] == []
-    assert evictions(d) == [("small", "release")]
+    # The lease ends and the drop happens once the reply is out: on the daemon's side of it.
+    wait_until(lambda: status(d)["models"] == [], 10, "the copy's model dropped")
+    assert status(d)["leases"] == [] and evictions(d) == [("small", "release")]
 
 
 HOLDER = textwrap.dedent("""
