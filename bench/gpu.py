@@ -21,6 +21,7 @@ Side by side in the same run:
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -36,14 +37,17 @@ from devtools.harness import Daemon, write_config
 # One engine restart: CUDA is up before the clock starts, as in an engine that fetches its weights.
 ENGINE = """
 import json, sys, time, torch
-torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()
+device = sys.argv[5]
+sync = torch.cuda.synchronize if device != "cpu" else lambda: None
+if device != "cpu":
+    torch.zeros(1, device=device); sync()
 t0 = time.perf_counter()
 import fast_start
 fast_start.fetch
 t1 = time.perf_counter()
 spec = fast_start.WeightSpec(sys.argv[1], dtype=sys.argv[4], engine_version="bench")
-w = fast_start.fetch(spec, device="cuda:0", mode=sys.argv[3], socket_dir=sys.argv[2], fallback=False)
-torch.cuda.synchronize()
+w = fast_start.fetch(spec, device=device, mode=sys.argv[3], socket_dir=sys.argv[2], fallback=False)
+sync()
 t2 = time.perf_counter()
 print(json.dumps({"import_s": t1 - t0, "fetch_s": t2 - t1, "source": w.source, "tensors": len(w),
                   "bytes": sum(t.nbytes for t in w.tensors.values())}))
@@ -105,7 +109,18 @@ CASES = {"dense-4GiB": ("dense4", "bfloat16"), "dense-16GiB": ("dense16", "bfloa
 COPY = ("dense-16GiB", "moe-hf-9435")
 
 
-def checkpoints(root: Path) -> dict[str, Path]:
+# On the CPU (`--device cpu`): the same tensor counts with tiny tensors, for the per-tensor and
+# fixed costs of a fresh process on any machine.
+TINY = {"dense4": synth.Shape(hidden_size=256, num_layers=9, num_heads=8, num_kv_heads=2, head_dim=32),
+        "dense16": synth.Shape(hidden_size=256, num_layers=38, num_heads=8, num_kv_heads=2, head_dim=32),
+        "moe": synth.Shape(architecture="Qwen3MoeForCausalLM", hidden_size=128, num_layers=24, num_heads=4,
+                           num_kv_heads=2, head_dim=32, intermediate_size=256, vocab_size=1024, num_experts=128,
+                           moe_intermediate_size=64)}
+
+
+def checkpoints(root: Path, device: str) -> dict[str, Path]:
+    if device == "cpu":
+        return {name: synth.cached(root, shape, files=4) for name, shape in TINY.items()}
     return {"dense4": synth.cached(root, synth.llama_of_size(4 << 30, hidden_size=4096), files=1, reuse=True),
             "dense16": synth.cached(root, synth.llama_of_size(16 << 30, hidden_size=4096), files=4, reuse=True),
             "moe": synth.cached(root, MOE, files=4, reuse=True)}
@@ -173,32 +188,38 @@ def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-def side(tree: Path, folders: dict[str, Path], tmp: Path, repeat: int, label: str) -> dict:
-    """One fast-start tree: its daemon caches every case, then fresh engines fetch each."""
+def side(tree: Path, folders: dict[str, Path], tmp: Path, repeat: int, label: str, results: dict,
+         out: Path, device: str) -> dict:
+    """One fast-start tree: its daemon caches every case, then fresh engines fetch each; the
+    results go into `results[label]` and `out` case by case (a run cut short keeps what it measured)."""
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "fast_start")], check=True)  # as installed
     run = tmp / f"run-{label}"
     models = [{"name": case, "path": str(folders[ckpt]), "gpus": [0], "dtype": dtype, "engine_version": "bench"}
               for case, (ckpt, dtype) in CASES.items()]
-    cfg = write_config(tmp / f"{label}.toml", run, models, device="cuda")
+    cfg = write_config(tmp / f"{label}.toml", run, models, device="cpu" if device == "cpu" else "cuda")
     t0 = time.perf_counter()
-    daemon = Daemon(tmp, cfg, cwd=tree).wait_ready(1800)
-    r: dict = {"ready_s": round(time.perf_counter() - t0, 1), "daemon_gpu_bytes": gpu_memory_of(daemon.proc.pid),
-               "cases": {}}
+    # The tree's fast_start first on the path: its fill workers run from "/" (fill.py).
+    path = os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])
+    daemon = Daemon(tmp, cfg, cwd=tree, env={"PYTHONPATH": path}).wait_ready(600)
+    r = results[label] = {"ready_s": round(time.perf_counter() - t0, 1),
+                          "daemon_gpu_bytes": gpu_memory_of(daemon.proc.pid) if device != "cpu" else 0, "cases": {}}
     print(f"[{label}] daemon READY in {r['ready_s']} s", flush=True)
     try:
         for case, (ckpt, dtype) in CASES.items():
             c = r["cases"][case] = {}
             for mode in ("zero_copy", "copy") if case in COPY else ("zero_copy",):
-                runs = [fresh(ENGINE, str(folders[ckpt]), str(run), mode, dtype, cwd=tree) for _ in range(repeat)]
+                runs = [fresh(ENGINE, str(folders[ckpt]), str(run), mode, dtype, device, cwd=tree)
+                        for _ in range(repeat)]
                 assert all(x["source"] == "cache" for x in runs), runs
                 c.update(tensors=runs[0]["tensors"], bytes=runs[0]["bytes"])
                 c[f"{mode}_s"] = median_of(runs, "fetch_s")
                 c[f"{mode}_all_s"] = [round(x["fetch_s"], 5) for x in runs]
                 c.setdefault("import_runs", []).extend(x["import_s"] for x in runs)
             c["import_s"] = statistics.median(c.pop("import_runs"))
-            if label != "after":
-                continue
-            c["profile"] = fresh(PROFILED, str(folders[ckpt]), str(run), "zero_copy", dtype, cwd=tree)["profile"]
+            if label == "after":      # where the milliseconds go, one cProfile'd fetch per case
+                c["profile"] = fresh(PROFILED, str(folders[ckpt]), str(run), "zero_copy", dtype, device,
+                                     cwd=tree)["profile"]
+            out.write_text(json.dumps(results, indent=1))
             print(f"[{label}] {case}: {c['tensors']} tensors, zero_copy {c['zero_copy_s'] * 1e3:.2f} ms"
                   + (f", copy {c['copy_s'] * 1e3:.2f} ms" if "copy_s" in c else ""), flush=True)
     finally:
@@ -253,7 +274,9 @@ def report(r: dict) -> list[str]:
         b = before.get(case, {})
         lines.append(f"{case:13} {c['tensors']:7d} {c['bytes'] / 1e9:6.2f} | {ms(c['import_s'])} {ms(b.get('import_s'))} | "
                      f"{ms(c['zero_copy_s'])} {ms(b.get('zero_copy_s'))} | {ms(c.get('copy_s'))} {ms(b.get('copy_s'))} | "
-                     f"{ms(r['legacy_ipc_s'].get(case))}")
+                     f"{ms(r.get('legacy_ipc_s', {}).get(case))}")
+    if "legacy_ipc_s" not in r:         # the CPU variant: the table is all
+        return lines
     d16, d4, d32, moe = now["dense-16GiB"], now["dense-4GiB"], now["dense-32GiB"], now["moe-hf-9435"]
     clone_gbs = d16["bytes"] / r["d2d_clone_s"] / 1e9
     copy_gbs = d16["bytes"] / d16["copy_s"] / 1e9
@@ -273,33 +296,37 @@ def report(r: dict) -> list[str]:
     return lines
 
 
-def main(root: Path, out: Path, repeat: int, baseline: Path | None, baseline_repeat: int) -> None:
-    props = torch.cuda.get_device_properties(0)
-    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                            capture_output=True, text=True).stdout.split("\n")[0]
-    r: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": props.name, "driver": driver, "torch": torch.__version__,
-               "cuda": torch.version.cuda, "python": sys.version.split()[0], "repeat": repeat}
+def main(root: Path, out: Path, repeat: int, baseline: Path | None, baseline_repeat: int, device: str = "cuda:0") -> None:
+    r: dict = {"date": time.strftime("%Y-%m-%d"), "device": device, "torch": torch.__version__,
+               "python": sys.version.split()[0], "repeat": repeat}
+    if device != "cpu":
+        r.update(gpu=torch.cuda.get_device_properties(0).name, cuda=torch.version.cuda, driver=subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True).stdout.split("\n")[0])
     try:
-        run_all(r, root, out, repeat, baseline, baseline_repeat)
+        run_all(r, root, out, repeat, baseline, baseline_repeat, device)
     finally:
         close_spawners()
-    print(f"{r['gpu']}, driver {driver}, torch {r['torch']}, CUDA {r['cuda']}, Python {r['python']}; wrote {out}")
+    print(f"{r.get('gpu', 'CPU')}, driver {r.get('driver', '-')}, torch {r['torch']}, CUDA {r.get('cuda', '-')}, "
+          f"Python {r['python']}; wrote {out}")
 
 
-def run_all(r: dict, root: Path, out: Path, repeat: int, baseline: Path | None, baseline_repeat: int) -> None:
+def run_all(r: dict, root: Path, out: Path, repeat: int, baseline: Path | None, baseline_repeat: int,
+            device: str) -> None:
     t0 = time.perf_counter()
-    folders = checkpoints(root)
+    folders = checkpoints(root, device)
     print(f"checkpoints ready in {time.perf_counter() - t0:.0f} s", flush=True)
     with tempfile.TemporaryDirectory(prefix="fast-start-bench-") as tmp:
         tmp = Path(tmp)
-        r["after"] = side(Path.cwd(), folders, tmp, repeat, "after")
+        side(Path.cwd(), folders, tmp, repeat, "after", r, out, device)
         out.write_text(json.dumps(r, indent=1))
-        r["legacy_ipc_s"] = {case: legacy_ipc(folders[CASES[case][0]], tmp, repeat) for case in COPY}
-        r["d2d_clone_s"] = d2d_clone_s(r["after"]["cases"]["dense-16GiB"]["bytes"])
-        r["load_file_s"] = fresh(LOAD_FILE, str(folders["dense16"]))["fetch_s"]
-        out.write_text(json.dumps(r, indent=1))
+        if device != "cpu":
+            r["legacy_ipc_s"] = {case: legacy_ipc(folders[CASES[case][0]], tmp, repeat) for case in COPY}
+            r["d2d_clone_s"] = d2d_clone_s(r["after"]["cases"]["dense-16GiB"]["bytes"])
+            r["load_file_s"] = fresh(LOAD_FILE, str(folders["dense16"]))["fetch_s"]
+            out.write_text(json.dumps(r, indent=1))
         if baseline is not None:
             r.update(baseline=str(baseline), baseline_repeat=baseline_repeat)
-            r["before"] = side(baseline.resolve(), folders, tmp, baseline_repeat, "before")
+            side(baseline.resolve(), folders, tmp, baseline_repeat, "before", r, out, device)
     out.write_text(json.dumps(r, indent=1))
     print("\n".join(report(r)))

@@ -70,13 +70,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="where the synthetic checkpoint is kept between runs")
     ap.add_argument("--json", default="bench.json", help="where to write the results")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--baseline", help="with --device cuda: an earlier fast-start tree, measured side by side")
+    ap.add_argument("--fresh", action="store_true",
+                    help="with --device cpu: bench/gpu.py's fresh-process benchmark on CPU arenas (its tensor "
+                         "counts, tiny tensors); always so with --device cuda")
+    ap.add_argument("--baseline", help="with --fresh or --device cuda: an earlier fast-start tree, side by side")
     ap.add_argument("--baseline-repeat", type=int, default=5)
     args = ap.parse_args(argv)
-    if args.device == "cuda":
+    if args.device == "cuda" or args.fresh:
         from bench import gpu as bench_gpu
         bench_gpu.main(Path(args.dir), Path(args.json), args.repeat, args.baseline and Path(args.baseline),
-                       args.baseline_repeat)
+                       args.baseline_repeat, "cuda:0" if args.device == "cuda" else "cpu")
         return
     shape = synth.llama_of_size(parse_bytes(args.size))
     folder = synth.cached(args.dir, shape, files=4)
