@@ -6,6 +6,10 @@ READY, then restarts the engine from the cache in zero_copy and copy mode. Each 
 its `fetch` time and, since a zero-copy map does not touch the pages, the time of one read per
 page of every weight after it: what the first forward pass pays on top.
 Prints a table with ratios and writes JSON.
+
+With `--device cuda` (or `--fresh` on the CPU) it runs `bench/gpu.py` instead: every engine a
+new process, `import fast_start` and the first fetch timed apart, several models in one daemon,
+and with `--baseline TREE` an earlier revision side by side in the same run.
 """
 from __future__ import annotations
 
