@@ -57,7 +57,7 @@ PROFILED = ENGINE.replace(
     "w = fast_start.fetch(spec", "import cProfile, io, pstats\nprofile = cProfile.Profile()\n"
     "w = profile.runcall(fast_start.fetch, spec").replace(
     'print(json.dumps({"import_s"', 'text = io.StringIO()\n'
-    'pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(14)\n'
+    'pstats.Stats(profile, stream=text).strip_dirs().sort_stats("tottime").print_stats(14)\n'
     'print(json.dumps({"profile": text.getvalue(), "import_s"')
 
 # The legacy mechanism's producer: the tensors on the GPU, one CUDA IPC handle per tensor.

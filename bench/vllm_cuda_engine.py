@@ -49,7 +49,7 @@ def profiled(out: str) -> None:
             profile = cProfile.Profile()
             result = profile.runcall(load, self, *a, **kw)
             text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(60)
+            pstats.Stats(profile, stream=text).strip_dirs().sort_stats("cumulative").print_stats(60)
             with open(out, "w") as f:
                 f.write(text.getvalue())
             return result

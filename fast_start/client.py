@@ -120,7 +120,7 @@ def _from_cache(want: Fingerprint, files: watch.Identity, device: torch.device, 
                            reply.fix or "run `fast-start fingerprints` and compare with this engine's spec",
                            reply.fields))
     if not misses:
-        raise CacheMiss(f"no daemon in {directory} serves device {_device_id(device)}", "check the daemon's config")
+        raise CacheMiss(f"no daemon in {directory} serves device {ask.device}", "check the daemon's config")
     reason, fix, fields = min(misses, key=lambda m: (not m[2], len(m[2])))
     raise CacheMiss(reason, fix, tuple(fields))
 

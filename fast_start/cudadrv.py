@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 
 from .errors import ArenaError
+from .gpus import uuid_text
 
 _HANDLE_FD = 1              # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 _LOCATION_DEVICE = 1        # CU_MEM_LOCATION_TYPE_DEVICE
@@ -62,8 +63,7 @@ def device_uuid(ordinal: int) -> str:
     lib, dev, raw = _driver(), _int(), (ctypes.c_char * 16)()
     _check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
     _check(lib.cuDeviceGetUuid_v2(raw, dev), "cuDeviceGetUuid_v2")
-    b = bytes(raw).hex()
-    return f"GPU-{b[:8]}-{b[8:12]}-{b[12:16]}-{b[16:20]}-{b[20:]}"
+    return uuid_text(bytes(raw))
 
 
 def map_fd(fd: int, size: int, ordinal: int, readonly: bool) -> int:

@@ -42,7 +42,12 @@ def device_uuid(ordinal: int) -> str:
     drv = driver()
     dev = check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
     get = getattr(drv, "cuDeviceGetUuid_v2", None) or drv.cuDeviceGetUuid
-    b = bytes(check(get(dev), "cuDeviceGetUuid").bytes).hex()
+    return uuid_text(bytes(check(get(dev), "cuDeviceGetUuid").bytes))
+
+
+def uuid_text(raw: bytes) -> str:
+    """A GPU's 16 UUID bytes as nvidia-smi writes them: "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"."""
+    b = raw.hex()
     return f"GPU-{b[:8]}-{b[8:12]}-{b[12:16]}-{b[16:20]}-{b[20:]}"
 
 

@@ -184,13 +184,14 @@ class FastStartLoader(BaseModelLoader):
                         model_config.model, miss.what, f"; differing fields: {', '.join(fields)}" if fields else "")
             return self.default_loader().load_model(vllm_config, model_config, prefix)
         fetched, built, prepared = (1e3 * (b - a) for a, b in zip(clock, clock[1:]))
+        nbytes = sum(t.nbytes for t in weights.tensors.values())
         log.info("fast-start: %d tensors (%.1f MiB, %s) for rank %d of %d from the cache (%s): fetch %.1f ms, "
                  "model built %.1f ms, installed %.1f ms", len(weights),
-                 sum(t.nbytes for t in weights.tensors.values()) / 2**20, weights.engine.get("stage", "loaded"),
+                 nbytes / 2**20, weights.engine.get("stage", "loaded"),
                  spec.rank, spec.tensor_parallel_size * spec.pipeline_parallel_size, o.mode, fetched, built, prepared)
         model.fast_start_source = weights.source
         if o.mode == "zero_copy":       # read by _count_mapped_weights on vLLM < 0.32
-            model.fast_start_mapped_bytes = sum(t.nbytes for t in weights.tensors.values())
+            model.fast_start_mapped_bytes = nbytes
         return model.eval()
 
 
