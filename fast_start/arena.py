@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import dtypes, table
+from . import cudadrv, dtypes, table
 from .errors import ArenaError
 
 if TYPE_CHECKING:
@@ -84,12 +84,30 @@ def map_readonly(fd: int, size: int, arena_device: str, device: torch.device) ->
     if arena_device == "cpu" and device.type == "cpu":
         return _map_memfd(fd, size)
     if device.type == "cuda":
-        from . import cudadrv, vmm
         ordinal = device.index if device.index is not None else torch.cuda.current_device()
         if cudadrv.device_uuid(ordinal) == arena_device:
-            return vmm.map_fd(fd, size, ordinal, readonly=True)
+            # torch keeps a reference to the Imported object for as long as any view of the tensor lives.
+            return torch.as_tensor(Imported(fd, size, ordinal, readonly=True), device=f"cuda:{ordinal}")
     raise ArenaError(f"arena on {arena_device} cannot be mapped on {device}",
                      "fetch on the device the daemon serves")
+
+
+class Imported:
+    """An arena fd imported and mapped on a GPU by an engine (`cudadrv`: no cuda-bindings import
+    on the engine's start); unmapped when garbage-collected, i.e. when its last tensor view dies."""
+
+    def __init__(self, fd: int, size: int, ordinal: int, readonly: bool):
+        self.size, self.ordinal = size, ordinal
+        self.ptr = cudadrv.map_fd(fd, size, ordinal, readonly)
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (self.ptr, False),
+                                         "version": 3}
+
+    def __del__(self):
+        if not getattr(self, "ptr", None) or not cudadrv.loaded():
+            return
+        torch.cuda.synchronize(self.ordinal)    # no kernel may still read what we unmap
+        cudadrv.unmap(self.ptr, self.size)
+        self.ptr = None
 
 
 def _map_memfd(fd: int, size: int) -> torch.Tensor:

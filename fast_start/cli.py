@@ -28,7 +28,6 @@ from . import protocol, vllm_rules, watch
 from .config import ConfigError
 from .errors import FastStartError, NoDaemon, Refused
 from .fingerprint import Fingerprint, WeightSpec, checkpoint_hash, fingerprint
-from .headers import raw_header, shard_files
 from .transport import DEFAULT_SOCKET_DIR, connect, request, socket_path, state_path
 from .trust import TrustError
 
@@ -229,7 +228,7 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
            config: Path = CONFIG, as_json: bool = JSON):
     """Does the cache match this checkpoint? Exit 0 on a match, 1 on a mismatch or nothing cached."""
     directory = socket_dir(config)
-    headers = checkpoint_hash({f: raw_header(model / f) for f in shard_files(model)})
+    headers = checkpoint_hash(model)
     files = watch.identity(model)
     results = []
     for g in gpus(directory, gpu):
@@ -280,7 +279,7 @@ def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpe
         python = configs.load(config, check_paths=False).daemon.worker_python or python
     try:
         with Worker(python, worker_env(1), threading.Event()) as worker:
-            job = protocol.VerifyJob(reply.model, reply.manifest, spec.__dict__)
+            job = protocol.VerifyJob(reply.model, reply.manifest, spec._asdict())
             return [msg for msg, _ in worker.run(job, fds)][-1].bad
     finally:
         for fd in fds:

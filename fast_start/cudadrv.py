@@ -36,6 +36,7 @@ _SIGNATURES = {
     "cuMemAddressFree": [_u64, _size],
 }
 _lib = None
+_uuids: dict[int, str] = {}
 
 
 def _driver():
@@ -59,11 +60,14 @@ def _check(code: int, what: str) -> None:
 
 
 def device_uuid(ordinal: int) -> str:
-    """The GPU's UUID ("GPU-xxxxxxxx-…") for a CUDA ordinal, as `gpus.device_uuid` names it."""
-    lib, dev, raw = _driver(), _int(), (ctypes.c_char * 16)()
-    _check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
-    _check(lib.cuDeviceGetUuid_v2(raw, dev), "cuDeviceGetUuid_v2")
-    return uuid_text(bytes(raw))
+    """The GPU's UUID ("GPU-xxxxxxxx-…") for a CUDA ordinal, as `gpus.device_uuid` names it (asked
+    once per ordinal: a process's ordinals do not change)."""
+    if ordinal not in _uuids:
+        lib, dev, raw = _driver(), _int(), (ctypes.c_char * 16)()
+        _check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
+        _check(lib.cuDeviceGetUuid_v2(raw, dev), "cuDeviceGetUuid_v2")
+        _uuids[ordinal] = uuid_text(bytes(raw))
+    return _uuids[ordinal]
 
 
 def map_fd(fd: int, size: int, ordinal: int, readonly: bool) -> int:

@@ -168,7 +168,7 @@ class Daemon:
         with self.cache.lock:
             need = sum(e.nbytes for e in self.cache.entries.values())
         for m in models:
-            for msg, _ in workers.get(self.cfg.python(m)).run(protocol.CheckJob(m.name, m.spec(self.gpu).__dict__)):
+            for msg, _ in workers.get(self.cfg.python(m)).run(protocol.CheckJob(m.name, m.spec(self.gpu)._asdict())):
                 need += msg.bytes
         total = device_memory(self.cfg.daemon.device, self.gpu)
         budget = configs.parse_bytes(self.cfg.daemon.memory_budget, total)
@@ -191,7 +191,7 @@ class Daemon:
         bandwidth = configs.parse_bytes(self.cfg.daemon.fill_bandwidth)
         for m in models:
             files = watch.identity(m.path)          # before a byte of its data is read
-            job = protocol.FillJob(m.name, m.spec(self.gpu).__dict__, self.device(), bandwidth)
+            job = protocol.FillJob(m.name, m.spec(self.gpu)._asdict(), self.device(), bandwidth)
             for msg, fds in workers.get(self.cfg.python(m)).run(job):
                 if isinstance(msg, protocol.Progress):
                     self.report_progress(msg, starting)
@@ -260,7 +260,7 @@ class Daemon:
         except FastStartError as e:
             # Storage away (NFS down at boot): what the config decides must still match; engines
             # are matched against the files of the fill, so nothing stale can be served.
-            fields = st.manifest.fingerprint.diff(replace(st.manifest.fingerprint, **config_fields(model, self.gpu)))
+            fields = st.manifest.fingerprint.diff(st.manifest.fingerprint._replace(**config_fields(model, self.gpu)))
             if not fields:
                 log.warning("cannot read %s's checkpoint now (%s); re-adopting what was filled from it", st.model,
                             e.what)

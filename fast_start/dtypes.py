@@ -6,11 +6,10 @@ table without torch; `torch_dtype` turns a name into torch's object where tensor
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class DType:
+class DType(NamedTuple):
     name: str            # torch's attribute name: "bfloat16"
     code: str            # the safetensors header's: "BF16"
     itemsize: int

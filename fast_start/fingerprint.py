@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from . import quant, vllm_rules
-from .headers import raw_header, read_config, read_identity, shard_files
+from .headers import raw_header, read_config, read_identity, weight_files
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -28,8 +27,7 @@ LAYOUT_VERSION = 2
 LAYOUTS = ("hf", "vllm")
 
 
-@dataclass(frozen=True)
-class WeightSpec:
+class WeightSpec(NamedTuple):
     """Which weights an engine wants: the checkpoint and how to derive this rank's tensors."""
     path: str
     tensor_parallel_size: int = 1
@@ -43,8 +41,7 @@ class WeightSpec:
     engine_options: str = ""            # layout "vllm": vllm_rules.engine_options (kernel env, KV dtype, PP)
 
 
-@dataclass(frozen=True)
-class Fingerprint:
+class Fingerprint(NamedTuple):
     checkpoint: str
     architecture: str
     tensor_parallel_size: int
@@ -59,28 +56,33 @@ class Fingerprint:
     engine_options: str
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps(self._asdict(), sort_keys=True).encode()).hexdigest()
 
     def diff(self, other: "Fingerprint") -> tuple[str, ...]:
         """Names of the fields that differ."""
-        return tuple(f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name))
+        return tuple(name for name, a, b in zip(self._fields, self, other) if a != b)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return self._asdict()
 
     @classmethod
     def from_dict(cls, d: dict) -> "Fingerprint":
-        names = {f.name for f in fields(cls)}
+        names = set(cls._fields)
         if not isinstance(d, dict) or set(d) != names:
             raise ValueError(f"a fingerprint has exactly the fields {sorted(names)}")
         return cls(**d)
 
 
-def checkpoint_hash(headers: dict[str, bytes]) -> str:
-    """Hash of every shard's raw header, by file name (the folder's path is left out)."""
+def checkpoint_hash(folder: Path, known: dict[str, bytes] | None = None) -> str:
+    """Hash of the raw header of every *.safetensors file in `folder` (`weight_files`), by file
+    name (the folder's path is left out). `known`: headers already read, by file name (a fill's).
+
+    The index is not hashed: which tensor lies in which file is what the headers say. Its
+    identity, like every file's, is the cache's other check (`watch.identity`)."""
     h = hashlib.sha256()
-    for name in sorted(headers):
-        raw = headers[name]
+    for name in weight_files(folder):
+        raw = known.get(name) if known else None
+        raw = raw if raw is not None else raw_header(folder / name)
         h.update(f"{name}\0{len(raw)}\0".encode())
         h.update(raw)
     return h.hexdigest()
@@ -93,7 +95,6 @@ def fingerprint(spec: WeightSpec, ckpt: "Checkpoint | None" = None) -> Fingerpri
     cache lookup needs, since a daemon holding the same header hash validated those very files.
     """
     folder = Path(spec.path)
-    headers = ckpt.headers if ckpt else {f: raw_header(folder / f) for f in shard_files(folder)}
     if spec.layout == "vllm":      # any architecture vLLM builds; vLLM's own quantization names
         architecture, checkpoint_config = read_identity(folder)
         quantization = vllm_rules.resolve(spec.quantization, checkpoint_config)
@@ -103,7 +104,7 @@ def fingerprint(spec: WeightSpec, ckpt: "Checkpoint | None" = None) -> Fingerpri
         architecture, quantization = dims.architecture, spec.quantization
         config = quant.config_hash(quant.method(quantization), dims.quantization_config)
     return Fingerprint(
-        checkpoint=checkpoint_hash(headers), architecture=architecture,
+        checkpoint=checkpoint_hash(folder, ckpt.headers if ckpt else None), architecture=architecture,
         tensor_parallel_size=spec.tensor_parallel_size, rank=spec.rank, dtype=spec.dtype,
         quantization=quantization, quantization_config=config,
         revision=spec.revision, engine_version=spec.engine_version,

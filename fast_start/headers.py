@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from .errors import CheckpointError
 
@@ -41,8 +41,7 @@ ARCHITECTURES = {
 }
 
 
-@dataclass(frozen=True)
-class ModelDims:
+class ModelDims(NamedTuple):
     """What `config.json` says about the model's shape."""
     architecture: str
     num_layers: int
@@ -153,6 +152,22 @@ def raw_header(path: Path) -> bytes:
         raise CheckpointError(f"cannot read {path}: {e.strerror or e}",
                               "make the checkpoint readable by this process's user (uid "
                               f"{os.geteuid()})") from None
+
+
+def weight_files(folder: Path) -> tuple[str, ...]:
+    """Every *.safetensors file in a model folder, sorted: the files a fingerprint hashes and whose
+    identity a cache records. The index's shards in any complete download, found without parsing
+    the index (an MoE's runs to megabytes: milliseconds of every engine start); a stray file
+    next to them (an adapter, a consolidated copy) only makes the check stricter."""
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    except OSError as e:
+        raise CheckpointError(f"cannot list {folder}: {e.strerror or e}", "make the checkpoint readable by this "
+                              f"process's user (uid {os.geteuid()})") from None
+    if not names:
+        raise CheckpointError(f"no *.safetensors files in {folder}",
+                              "point the model path at a folder holding safetensors weights")
+    return tuple(names)
 
 
 def shard_files(folder: Path) -> tuple[str, ...]:

@@ -22,19 +22,19 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from . import dtypes
 from .errors import QuantizationError
 
 BLOCK = 128
 
-# First match wins. Linear layers are quantized; the rest keeps the model dtype.
+# First match wins. Linear layers are quantized; the rest keeps the model dtype. (Patterns, not
+# compiled ones: an engine imports this module on every start and never quantizes.)
 QUANTIZE_RULES = (
-    (re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$"), True),
-    (re.compile(r"\.experts\.\d+\.w[123]\.weight$"), True),
-    (re.compile(r""), False),   # embeddings, lm_head, norms, biases, router gates
+    (r"\.(q|k|v|o|gate|up|down)_proj\.weight$", True),
+    (r"\.experts\.\d+\.w[123]\.weight$", True),
+    (r"", False),   # embeddings, lm_head, norms, biases, router gates
 )
 # Names a pre-quantized checkpoint stores next to its FP8 weights.
 SCALE_SUFFIXES = ("_scale", "_scale_inv")
@@ -52,14 +52,13 @@ def _block_scale(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK))
 
 
-@dataclass(frozen=True)
-class Method:
+class Method(NamedTuple):
     name: str
     kernel: str | None             # the function in fp8.py that quantizes a weight, if any
     scale_suffix: str              # appended to "X.weight" for the scale's name
     verified_for_sharing: bool     # cache and disk checked bit-identical for every TP rank
     prequantized: bool = False     # the checkpoint already holds quantized weights
-    params: dict = field(default_factory=dict)   # what the quantization-config hash covers
+    params: dict = {}              # what the quantization-config hash covers (never mutated)
     scale_shape: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None
 
     @property
@@ -102,7 +101,7 @@ def require_verified(m: Method) -> None:
 
 
 def is_quantized(name: str) -> bool:
-    return next(q for pattern, q in QUANTIZE_RULES if pattern.search(name))
+    return next(q for pattern, q in QUANTIZE_RULES if re.search(pattern, name))
 
 
 def config_hash(m: Method, checkpoint_config: dict | None) -> str:

@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from . import protocol, trust
 from .cache import Cache
@@ -44,7 +44,7 @@ class Policy:
     def role(self, peer: trust.Peer) -> trust.Peer | None:
         """`peer` with its role set, or None when it may not connect at all."""
         if peer.uid in (0, os.geteuid()) or peer.groups & self.admin_gids:
-            return replace(peer, admin=True)
+            return peer._replace(admin=True)
         if peer.uid in self.allowed_uids or peer.groups & self.allowed_gids:
             return peer
         return None

@@ -37,15 +37,15 @@ def lock_path(directory: str | os.PathLike, gpu: int) -> Path:
 
 def sockets(directory: Path) -> list[Path]:
     """Every daemon socket in `directory` (none if it is missing or unreadable)."""
-    try:
-        return sorted(directory.glob("gpu*.sock")) if directory.is_dir() else []
+    try:       # not Path.glob: it compiles a pattern on every engine start
+        return [directory / n for n in sorted(os.listdir(directory)) if n.startswith("gpu") and n.endswith(".sock")]
     except OSError:
         return []
 
 
 def connect(path: Path, timeout: float) -> socket.socket:
     """A connection to a daemon whose directory, socket and credentials we trust."""
-    trusted = trust.trusted_daemon_uids()
+    trusted = trust.TrustedUids()
     trust.check_socket_path(path, trusted)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     conn.settimeout(timeout)

@@ -19,8 +19,8 @@ import pwd
 import socket
 import stat
 import struct
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from .errors import ConfigError, FastStartError
 
@@ -34,12 +34,11 @@ class TrustError(FastStartError):
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)     # Linux >= 4.13; not named by Python 3.11
 
 
-@dataclass(frozen=True)
-class Peer:
+class Peer(NamedTuple):
     pid: int
     uid: int
     gid: int
-    groups: frozenset[int] = field(default_factory=frozenset)   # primary and supplementary gids
+    groups: frozenset[int] = frozenset()   # primary and supplementary gids
     admin: bool = False          # may evict and see every lease (root, the daemon's user, admin_groups)
 
 
@@ -58,14 +57,25 @@ def peer(sock: socket.socket) -> Peer:
     return Peer(pid, uid, gid, frozenset(groups))
 
 
-def trusted_daemon_uids() -> set[int]:
-    """A client trusts daemons running as itself, root or the service user."""
-    uids = {os.geteuid(), 0}
-    try:
-        uids.add(pwd.getpwnam(SERVICE_USER).pw_uid)
-    except KeyError:
-        pass
-    return uids
+class TrustedUids:
+    """The uids a client trusts to run its daemon: itself, root and the service user. The user
+    database is asked only for an owner that is neither (a first lookup costs half a millisecond
+    of an engine's start)."""
+
+    def __init__(self):
+        self.service: int | None = None
+        self.looked_up = False
+
+    def __contains__(self, uid: int) -> bool:
+        if uid in (os.geteuid(), 0):
+            return True
+        if not self.looked_up:
+            try:
+                self.service = pwd.getpwnam(SERVICE_USER).pw_uid
+            except KeyError:
+                pass
+            self.looked_up = True
+        return uid == self.service
 
 
 def prepare_socket_dir(path: str | Path, shared: bool = False) -> Path:
@@ -96,7 +106,7 @@ def prepare_socket_dir(path: str | Path, shared: bool = False) -> Path:
     return path
 
 
-def check_socket_path(sock_path: str | Path, trusted: set[int]) -> None:
+def check_socket_path(sock_path: str | Path, trusted: TrustedUids | set[int]) -> None:
     """Client side: the directory and the socket are owned by a trusted uid, the directory writable
     by no one else (so nobody else can put a socket there). A socket's own write bit only says who
     may connect, which the daemon decides by credentials."""

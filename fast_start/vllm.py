@@ -61,34 +61,38 @@ def register() -> None:
     global _registered
     if not _registered:
         register_model_loader(LOAD_FORMAT)(FastStartLoader)
-        if not hasattr(BaseModelLoader, "get_external_weight_memory"):
-            _count_mapped_weights()
+        _wrap_runners(count=not hasattr(BaseModelLoader, "get_external_weight_memory"))
         _registered = True
 
 
-def _count_mapped_weights() -> None:
-    """vLLM before 0.32 cannot be told about weights mapped from elsewhere (it gained
-    `get_external_weight_memory` in 0.32) and would size the KV cache as if they were free:
-    count them as the model's memory in both GPU model runners, as the default loader's copy
-    would be counted."""
+def _wrap_runners(count: bool) -> None:
+    """Both GPU model runners' `load_model`, when the load format is ours: the startup heap frozen
+    for the GC before vLLM's DeviceMemoryProfiler collects it (0.3-0.5 s, inside vLLM's "Model
+    loading took" window); and with `count` (vLLM before 0.32, which cannot be told about weights
+    mapped from elsewhere: it gained `get_external_weight_memory` in 0.32 and would size the KV
+    cache as if they were free) the mapped bytes counted as the model's memory, as the default
+    loader's copy would be counted."""
     import importlib
     for module in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"):
         try:
             runner = importlib.import_module(module).GPUModelRunner
         except (ImportError, AttributeError):      # a build without that runner
             continue
-        runner.load_model = _counting(runner.load_model)
+        runner.load_model = _loading(runner.load_model, count)
 
 
-def _counting(load_model):
-    def counted(self, *args, **kwargs):
+def _loading(load_model, count: bool):
+    def load(self, *args, **kwargs):
+        ours = getattr(getattr(self, "load_config", None), "load_format", None) == LOAD_FORMAT
+        if ours:
+            gc.freeze()     # see FastStartLoader.load_model
         result = load_model(self, *args, **kwargs)
-        mapped = getattr(self.get_model(), "fast_start_mapped_bytes", 0)
+        mapped = getattr(self.get_model(), "fast_start_mapped_bytes", 0) if ours and count else 0
         if mapped:
             self.model_memory_usage += mapped
             log.info("fast-start: %.2f GiB mapped from the daemon counted as the model's memory", mapped / 2**30)
         return result
-    return counted
+    return load
 
 
 # Each option's JSON types and how an error message names them.
@@ -158,7 +162,9 @@ class FastStartLoader(BaseModelLoader):
         # startup heap: 0.3-0.5 s each with vLLM imported (623k objects), three of them. vLLM
         # freezes that heap itself once the engine is up (freeze_gc_heap); freezing it here, as
         # the load starts, is the same freeze seconds earlier: the collections after the load
-        # scan only what the load made (1.5 ms). vLLM's shutdown unfreezes it as before.
+        # scan only what the load made (1.5 ms). vLLM's shutdown unfreezes it as before. The
+        # runners' wrapper (`_wrap_runners`) froze it already, before the profiler's first
+        # collection; this is for a runner it does not know.
         gc.freeze()
         device = _device(vllm_config)
         weights, registered = None, _registrations(vllm_config)

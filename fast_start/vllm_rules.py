@@ -11,7 +11,7 @@ The kernel plan recorded at fill (`vllm_state.kernel_plan`) catches whatever thi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .errors import QuantizationError
 
@@ -23,8 +23,7 @@ KERNEL_ENV = (
 )
 
 
-@dataclass(frozen=True)
-class Rule:
+class Rule(NamedTuple):
     quantization: str        # vLLM's name (`model_config.quantization`); "none" = unquantized
     allowed: bool
     max_tp: int | None       # None: any TP size

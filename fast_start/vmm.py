@@ -7,14 +7,14 @@ keeps the memory alive. The daemon holds fds and never creates a context (asking
 UUID needs `cuInit` only). A client imports the fd, reserves an address range, maps it and
 sets the access read-only for `zero_copy`, so a stray write fails loudly (illegal address)
 instead of corrupting the cache; the tensor wrapping the mapping unmaps it when the last view
-of it is gone. The client's import and map go through `cudadrv` (ctypes): an engine's start
-never imports cuda-bindings.
+of it is gone. The client imports and maps through `arena.Imported` and `cudadrv` (ctypes): an
+engine's start never imports cuda-bindings.
 """
 from __future__ import annotations
 
 import torch
 
-from . import cudadrv, gpus
+from . import gpus
 from .errors import ArenaError
 from .gpus import check as _check
 from .gpus import device_uuid, driver
@@ -110,27 +110,3 @@ class VmmWriter:
         self.mapping = None             # unmaps
         driver().cuMemRelease(self.handle)
         self.handle = None
-
-
-class Imported:
-    """An arena fd imported and mapped by an engine (`cudadrv`, no cuda-bindings import on the
-    engine's start); unmapped when garbage-collected, i.e. when its last tensor view dies."""
-
-    def __init__(self, fd: int, size: int, ordinal: int, readonly: bool):
-        self.size, self.ordinal = size, ordinal
-        self.ptr = cudadrv.map_fd(fd, size, ordinal, readonly)
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (self.ptr, False),
-                                         "version": 3}
-
-    def __del__(self):
-        if not getattr(self, "ptr", None) or not cudadrv.loaded():
-            return
-        torch.cuda.synchronize(self.ordinal)    # no kernel may still read what we unmap
-        cudadrv.unmap(self.ptr, self.size)
-        self.ptr = None
-
-
-def map_fd(fd: int, size: int, ordinal: int, readonly: bool = True) -> torch.Tensor:
-    """Import an arena fd on GPU `ordinal` and map it as a flat uint8 tensor (the fd may be closed after)."""
-    # torch keeps a reference to the Imported object for as long as any view of the tensor lives.
-    return torch.as_tensor(Imported(fd, size, ordinal, readonly), device=f"cuda:{ordinal}")

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import json
 import logging
 import os
 import struct
 from pathlib import Path
 
 from .errors import CheckpointError
-from .headers import INDEX, index_files
+from .headers import INDEX, weight_files
 
 log = logging.getLogger("fast_start.daemon")
 
@@ -34,16 +33,14 @@ Identity = dict[str, list[int]]     # file name -> [st_dev, st_ino, st_size, st_
 
 
 def checkpoint_files(folder: Path) -> list[str]:
-    """Names of the files a checkpoint's tensors come from: shards, index, config.json."""
-    index = folder / INDEX
-    if index.exists():
-        try:
-            names = set(index_files(index))
-        except CheckpointError:
-            names = set()               # unreadable now: its own identity still says it changed
-        names |= {INDEX}
-    else:
-        names = {p.name for p in folder.glob("*.safetensors")}
+    """Names of the files a checkpoint's tensors come from: every *.safetensors file (the
+    fingerprint's `weight_files`), the index, config.json."""
+    try:
+        names = set(weight_files(folder))
+    except CheckpointError:
+        names = set()                   # none or unreadable now: the recorded ones then read as removed
+    if os.path.exists(folder / INDEX):
+        names.add(INDEX)
     return sorted(names | {"config.json"})
 
 

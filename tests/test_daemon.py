@@ -75,7 +75,7 @@ def test_mismatch_falls_back_to_disk_naming_the_fields(tmp_path, llama, daemons,
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("llama", llama)])
     daemons(cfg)
     spec = fast_start.WeightSpec(str(llama), engine_version="test")
-    spec = fast_start.WeightSpec(**{**spec.__dict__, **change})
+    spec = spec._replace(**change)
     with caplog.at_level(logging.WARNING, logger="fast_start"):
         w = fast_start.fetch(spec, socket_dir=str(tmp_path / "run"))
     assert w.source == "disk"
@@ -282,15 +282,14 @@ def test_config_fields_name_only_fingerprint_fields_and_leave_vllms_quantization
     """While a model's storage is away, re-adoption compares what the config alone decides; for a
     vLLM model with quantization "none" that excludes the quantization (vLLM reads it from
     config.json), and includes the pipeline size and the engine options."""
-    from dataclasses import fields, replace
     from fast_start.config import ModelConfig
     from fast_start.daemon import config_fields
     from fast_start.fingerprint import Fingerprint
     hf = config_fields(ModelConfig("m", "/models/m", (0,), quantization="fp8"), 0)
     vllm = config_fields(ModelConfig("m", "/models/m", (0, 1), pipeline_parallel_size=2, layout="vllm"), 1)
-    assert set(hf) <= {f.name for f in fields(Fingerprint)} and hf["quantization"] == "fp8"
+    assert set(hf) <= set(Fingerprint._fields) and hf["quantization"] == "fp8"
     assert "quantization" not in vllm and vllm["pipeline_parallel_size"] == 2 and vllm["rank"] == 1
     assert '"pp":2' in vllm["engine_options"]
     stored = Fingerprint("h", "Qwen3ForCausalLM", 1, 1, "bfloat16", "fp8", "c", "main", "", "vllm/2", 2,
                          vllm["engine_options"])
-    assert stored.diff(replace(stored, **vllm)) == ()
+    assert stored.diff(stored._replace(**vllm)) == ()

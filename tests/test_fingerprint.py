@@ -1,7 +1,6 @@
 """The fingerprint: independent of where the checkpoint lies, sensitive to everything that matters."""
 from __future__ import annotations
 
-import dataclasses
 import shutil
 
 import torch
@@ -22,7 +21,7 @@ def test_diff_names_the_fields_that_differ(llama):
     ckpt = open_checkpoint(llama)
     base = WeightSpec(str(llama), tensor_parallel_size=2, rank=0)
     a = fingerprint(base, ckpt)
-    b = fingerprint(dataclasses.replace(base, engine_version="0.31.0", rank=1, quantization="fp8"), ckpt)
+    b = fingerprint(base._replace(engine_version="0.31.0", rank=1, quantization="fp8"), ckpt)
     assert set(a.diff(b)) == {"engine_version", "rank", "quantization", "quantization_config"}
     assert a.digest() != b.digest()
 
