@@ -52,12 +52,15 @@ t2 = time.perf_counter()
 print(json.dumps({"import_s": t1 - t0, "fetch_s": t2 - t1, "source": w.source, "tensors": len(w),
                   "bytes": sum(t.nbytes for t in w.tensors.values())}))
 """
-# The same restart once more under cProfile: where a fetch's milliseconds go (the top by own time).
+# The same restart once more under cProfile: where a fetch's milliseconds go (the top 20 by own time:
+# own ms, cumulative ms, calls, function; file names without their folders).
 PROFILED = ENGINE.replace(
     "w = fast_start.fetch(spec", "import cProfile, io, pstats\nprofile = cProfile.Profile()\n"
     "w = profile.runcall(fast_start.fetch, spec").replace(
     'print(json.dumps({"import_s"', 'text = io.StringIO()\n'
-    'pstats.Stats(profile, stream=text).strip_dirs().sort_stats("tottime").print_stats(14)\n'
+    'stats = pstats.Stats(profile).stats\n'
+    'for (f, line, fn), (_, n, own, cum, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:20]:\n'
+    '    text.write(f"{own * 1e3:8.3f} {cum * 1e3:8.3f} {n:6d}  {f.rsplit(\'/\', 1)[-1]}:{line}({fn})\\n")\n'
     'print(json.dumps({"profile": text.getvalue(), "import_s"')
 
 # The legacy mechanism's producer: the tensors on the GPU, one CUDA IPC handle per tensor.
@@ -158,10 +161,22 @@ for line in sys.stdin:
 _spawners: dict[Path, subprocess.Popen] = {}
 
 
+# --exec: every engine a new interpreter (`python -c`), as an operator's restart is: slower to
+# run (it imports torch each time), and free of what a forked child pays that a new process does
+# not (copy-on-write faults on the spawner's heap: on the development machine they made a fork's
+# `import fast_start` 2x and its 9,435-tensor fetch 1.7x slower).
+EXEC = False
+
+
 def fresh(script: str, *args: str, cwd: Path | None = None) -> dict:
-    """Run `script` with `args` in a fresh process forked in `cwd` (whose fast_start it imports);
-    the JSON object its last line prints."""
+    """Run `script` with `args` in a fresh process forked in `cwd` (whose fast_start it imports),
+    or with EXEC a new interpreter there; the JSON object its last line prints."""
     cwd = (cwd or Path.cwd()).resolve()
+    if EXEC:
+        done = subprocess.run([sys.executable, "-c", script, *args], cwd=cwd, text=True, stdout=subprocess.PIPE)
+        if done.returncode:
+            raise RuntimeError(f"engine failed (rc {done.returncode}); its traceback is on stderr")
+        return json.loads(done.stdout.strip().splitlines()[-1])
     spawner = _spawners.get(cwd)
     if spawner is None:
         spawner = _spawners[cwd] = subprocess.Popen([sys.executable, "-c", SPAWNER], cwd=cwd, text=True,
@@ -190,8 +205,8 @@ def median_of(runs: list[dict], key: str) -> float:
 
 def side(tree: Path, folders: dict[str, Path], tmp: Path, repeat: int, label: str, results: dict,
          out: Path, device: str) -> dict:
-    """One fast-start tree: its daemon caches every case, then fresh engines fetch each; the
-    results go into `results[label]` and `out` case by case (a run cut short keeps what it measured)."""
+    """One fast-start tree: its daemon caches every case, then fresh engines fetch each, round by
+    round; the results go into `results[label]` and `out`."""
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "fast_start")], check=True)  # as installed
     run = tmp / f"run-{label}"
     models = [{"name": case, "path": str(folders[ckpt]), "gpus": [0], "dtype": dtype, "engine_version": "bench"}
@@ -204,19 +219,27 @@ def side(tree: Path, folders: dict[str, Path], tmp: Path, repeat: int, label: st
     r = results[label] = {"ready_s": round(time.perf_counter() - t0, 1),
                           "daemon_gpu_bytes": gpu_memory_of(daemon.proc.pid) if device != "cpu" else 0, "cases": {}}
     print(f"[{label}] daemon READY in {r['ready_s']} s", flush=True)
+    # Round robin: every round restarts each case (and mode) once, so a drift of the machine
+    # over the run (clocks, other tenants) touches every case alike, not the last ones only.
+    jobs = [(case, mode) for case in CASES
+            for mode in (("zero_copy", "copy") if case in COPY and not EXEC else ("zero_copy",))]
+    runs: dict[tuple[str, str], list[dict]] = {job: [] for job in jobs}
     try:
+        for _ in range(repeat):
+            for case, mode in jobs:
+                ckpt, dtype = CASES[case]
+                x = fresh(ENGINE, str(folders[ckpt]), str(run), mode, dtype, device, cwd=tree)
+                assert x["source"] == "cache", x
+                runs[case, mode].append(x)
         for case, (ckpt, dtype) in CASES.items():
             c = r["cases"][case] = {}
-            for mode in ("zero_copy", "copy") if case in COPY else ("zero_copy",):
-                runs = [fresh(ENGINE, str(folders[ckpt]), str(run), mode, dtype, device, cwd=tree)
-                        for _ in range(repeat)]
-                assert all(x["source"] == "cache" for x in runs), runs
-                c.update(tensors=runs[0]["tensors"], bytes=runs[0]["bytes"])
-                c[f"{mode}_s"] = median_of(runs, "fetch_s")
-                c[f"{mode}_all_s"] = [round(x["fetch_s"], 5) for x in runs]
-                c.setdefault("import_runs", []).extend(x["import_s"] for x in runs)
-            c["import_s"] = statistics.median(c.pop("import_runs"))
-            if label == "after":      # where the milliseconds go, one cProfile'd fetch per case
+            done = [(mode, got) for (name, mode), got in runs.items() if name == case]
+            c.update(tensors=done[0][1][0]["tensors"], bytes=done[0][1][0]["bytes"])
+            for mode, got in done:
+                c[f"{mode}_s"] = median_of(got, "fetch_s")
+                c[f"{mode}_all_s"] = [round(x["fetch_s"], 5) for x in got]
+            c["import_s"] = statistics.median(x["import_s"] for _, got in done for x in got)
+            if label == "after" and not EXEC:      # where the milliseconds go, one cProfile'd fetch per case
                 c["profile"] = fresh(PROFILED, str(folders[ckpt]), str(run), "zero_copy", dtype, device,
                                      cwd=tree)["profile"]
             out.write_text(json.dumps(results, indent=1))
@@ -278,18 +301,20 @@ def report(r: dict) -> list[str]:
     if "legacy_ipc_s" not in r:         # the CPU variant: the table is all
         return lines
     d16, d4, d32, moe = now["dense-16GiB"], now["dense-4GiB"], now["dense-32GiB"], now["moe-hf-9435"]
-    clone_gbs = d16["bytes"] / r["d2d_clone_s"] / 1e9
-    copy_gbs = d16["bytes"] / d16["copy_s"] / 1e9
+    ipc = r["legacy_ipc_s"]
+    if "d2d_clone_s" in r:
+        clone_gbs = d16["bytes"] / r["d2d_clone_s"] / 1e9
+        copy_gbs = d16["bytes"] / d16["copy_s"] / 1e9
+        lines += [f"safetensors load_file, 16 GiB checkpoint, fresh process: {r['load_file_s']:.3f} s "
+                  f"({r['load_file_s'] / d16['zero_copy_s']:.0f}x the zero_copy fetch)",
+                  f"copy 16 GiB {copy_gbs:.0f} GB/s = {copy_gbs / clone_gbs:.0%} of the d2d clone's {clone_gbs:.0f} "
+                  f"GB/s (target >= 60%)"]
     lines += [
-        f"safetensors load_file, 16 GiB checkpoint, fresh process: {r['load_file_s']:.3f} s "
-        f"({r['load_file_s'] / d16['zero_copy_s']:.0f}x the zero_copy fetch)",
         f"zero_copy 16 GiB dense {d16['zero_copy_s'] * 1e3:.2f} ms (target <= 10); "
         f"MoE {moe['tensors']} tensors {moe['zero_copy_s'] * 1e3:.2f} ms (target <= 20)",
         f"flat: 32 GiB / 4 GiB = {d32['zero_copy_s'] / d4['zero_copy_s']:.2f} (target <= 1.3)",
-        f"legacy per-tensor CUDA IPC / zero_copy: 16 GiB {r['legacy_ipc_s']['dense-16GiB'] / d16['zero_copy_s']:.1f}x, "
-        f"MoE {r['legacy_ipc_s']['moe-hf-9435'] / moe['zero_copy_s']:.1f}x (target >= 5)",
-        f"copy 16 GiB {copy_gbs:.0f} GB/s = {copy_gbs / clone_gbs:.0%} of the d2d clone's {clone_gbs:.0f} GB/s "
-        f"(target >= 60%)",
+        "legacy per-tensor CUDA IPC / zero_copy: " + ", ".join(
+            f"{case} {ipc[case] / now[case]['zero_copy_s']:.1f}x" for case in ipc) + " (target >= 5)",
         f"import fast_start on top of torch: {max(c['import_s'] for c in now.values()) * 1e3:.1f} ms, the largest "
         f"median (target <= 20)",
         f"daemon: READY in {r['after']['ready_s']} s holding {r['after']['daemon_gpu_bytes'] / 2**20:.0f} MiB of GPU memory"]
@@ -298,7 +323,7 @@ def report(r: dict) -> list[str]:
 
 def main(root: Path, out: Path, repeat: int, baseline: Path | None, baseline_repeat: int, device: str = "cuda:0") -> None:
     r: dict = {"date": time.strftime("%Y-%m-%d"), "device": device, "torch": torch.__version__,
-               "python": sys.version.split()[0], "repeat": repeat}
+               "python": sys.version.split()[0], "repeat": repeat, "engines": "exec" if EXEC else "fork"}
     if device != "cpu":
         r.update(gpu=torch.cuda.get_device_properties(0).name, cuda=torch.version.cuda, driver=subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -321,9 +346,11 @@ def run_all(r: dict, root: Path, out: Path, repeat: int, baseline: Path | None, 
         side(Path.cwd(), folders, tmp, repeat, "after", r, out, device)
         out.write_text(json.dumps(r, indent=1))
         if device != "cpu":
-            r["legacy_ipc_s"] = {case: legacy_ipc(folders[CASES[case][0]], tmp, repeat) for case in COPY}
-            r["d2d_clone_s"] = d2d_clone_s(r["after"]["cases"]["dense-16GiB"]["bytes"])
-            r["load_file_s"] = fresh(LOAD_FILE, str(folders["dense16"]))["fetch_s"]
+            r["legacy_ipc_s"] = {case: legacy_ipc(folders[CASES[case][0]], tmp, repeat)
+                                 for case in (COPY[:1] if EXEC else COPY)}
+            if not EXEC:
+                r["d2d_clone_s"] = d2d_clone_s(r["after"]["cases"]["dense-16GiB"]["bytes"])
+                r["load_file_s"] = fresh(LOAD_FILE, str(folders["dense16"]))["fetch_s"]
             out.write_text(json.dumps(r, indent=1))
         if baseline is not None:
             r.update(baseline=str(baseline), baseline_repeat=baseline_repeat)

@@ -79,9 +79,13 @@ def main(argv: list[str] | None = None) -> None:
                          "counts, tiny tensors); always so with --device cuda")
     ap.add_argument("--baseline", help="with --fresh or --device cuda: an earlier fast-start tree, side by side")
     ap.add_argument("--baseline-repeat", type=int, default=5)
+    ap.add_argument("--exec", action="store_true",
+                    help="with --fresh or --device cuda: each engine a new interpreter (python -c) instead of a "
+                         "fork of a torch-only process; zero_copy and the IPC baseline only (each sample imports torch)")
     args = ap.parse_args(argv)
     if args.device == "cuda" or args.fresh:
         from bench import gpu as bench_gpu
+        bench_gpu.EXEC = args.exec
         bench_gpu.main(Path(args.dir), Path(args.json), args.repeat, args.baseline and Path(args.baseline),
                        args.baseline_repeat, "cuda:0" if args.device == "cuda" else "cpu")
         return

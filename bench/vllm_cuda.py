@@ -61,6 +61,17 @@ def engine(name: str, model: Path, load_format: str = "auto", extra: dict | None
     return r
 
 
+def first_difference(a: dict, b: dict) -> dict | None:
+    """Where two engines' greedy tokens first part: prompt, step, and each engine's margin there
+    (top log-probability minus the runner-up's)."""
+    for p, (x, y) in enumerate(zip(a.get("tokens", []), b.get("tokens", []))):
+        for step, (s, t) in enumerate(zip(x, y)):
+            if s != t:
+                margin = [e.get("margins", [[]] * (p + 1))[p][step:step + 1] for e in (a, b)]
+                return {"prompt": p, "step": step, "margins": margin}
+    return None
+
+
 def daemon(models: dict[str, Path]):
     run_dir = WORK / "run"
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -118,6 +129,7 @@ def main() -> None:
             for mode in ("zero_copy",) if PROFILE else ("zero_copy", "copy"):
                 r[mode] = engine(f"{name}-{mode}", paths[name], "fast_start", {**options, "mode": mode}, PROFILE)
                 r[mode]["same_tokens"] = r[mode].get("tokens") == r["default"].get("tokens")
+                r[mode]["first_difference"] = first_difference(r["default"], r[mode])
                 r[mode]["same_digest"] = r[mode].get("digest") == r["default"].get("digest")
             (OUT / "summary.json").write_text(json.dumps(summary, indent=1))
     finally:

@@ -62,6 +62,12 @@ def profiled(out: str) -> None:
         runner.load_model = wrap(runner.load_model)
 
 
+def _margin(step: dict) -> float:
+    """The top log-probability minus the second (vLLM's logprobs of one generated step)."""
+    top = sorted((p.logprob for p in step.values()), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     if args.get("profile"):
@@ -72,8 +78,11 @@ def main() -> None:
               max_model_len=512, enforce_eager=True, gpu_memory_utilization=0.3, seed=0)
     llm_s = time.perf_counter() - start
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                           SamplingParams(temperature=0.0, max_tokens=16, detokenize=False))
-    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "llm_s": round(llm_s, 3),
+                           SamplingParams(temperature=0.0, max_tokens=16, detokenize=False, logprobs=2))
+    # Per step, how far the chosen token's log-probability lies above the runner-up's: where two
+    # engines' tokens part, a margin near zero there says a rounding difference decided a near tie.
+    margins = [[round(_margin(step), 5) for step in o.outputs[0].logprobs or []] for o in outputs]
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "margins": margins, "llm_s": round(llm_s, 3),
               **llm.apply_model(report)[0]}
     with open(args["out"], "w") as f:
         json.dump(result, f)
