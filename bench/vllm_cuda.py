@@ -34,6 +34,9 @@ MODELS = {"qwen3-bf16": (DENSE, None), "qwen3-fp8": (DENSE, "block"), "moe-fp8":
 # FAST_START_BENCH_PROFILE=1: the default loader and zero_copy only, each engine with vLLM's model
 # loading under cProfile (OUT/<engine>.profile.txt; the engine core then runs in-process).
 PROFILE = os.environ.get("FAST_START_BENCH_PROFILE") == "1"
+# FAST_START_BENCH_RUNS=N: every engine N times (the default loader's runs 2..N compared with its
+# first: how much greedy tokens vary between runs of one loader).
+RUNS = int(os.environ.get("FAST_START_BENCH_RUNS", "1"))
 
 
 def run(name: str, args: list[str], log: Path, timeout: float = 300) -> int:
@@ -59,6 +62,14 @@ def engine(name: str, model: Path, load_format: str = "auto", extra: dict | None
              fast_start=[ln[-300:] for ln in text.splitlines() if "fast-start" in ln][-3:],
              errors=[ln[-300:] for ln in text.splitlines() if "Error" in ln][-3:])
     return r
+
+
+def compared(r: dict, e: dict) -> dict:
+    """Engine result `e` with its tokens and digest compared with the default loader's first run."""
+    e.update(same_tokens=e.get("tokens") == r["default"].get("tokens"),
+             first_difference=first_difference(r["default"], e),
+             same_digest=e.get("digest") == r["default"].get("digest"))
+    return e
 
 
 def first_difference(a: dict, b: dict) -> dict | None:
@@ -123,14 +134,18 @@ def main() -> None:
     try:
         for name in chosen:
             r = summary[name] = {"default": engine(f"{name}-default", paths[name], profile=PROFILE)}
+            for i in range(2, RUNS + 1):        # the default loader against itself: run-to-run variation
+                r[f"default-{i}"] = compared(r, engine(f"{name}-default-{i}", paths[name]))
+                (OUT / "summary.json").write_text(json.dumps(summary, indent=1))
             if run_dir is None:
                 continue
             options = {"socket_dir": str(run_dir), "fallback": False}
-            for mode in ("zero_copy",) if PROFILE else ("zero_copy", "copy"):
-                r[mode] = engine(f"{name}-{mode}", paths[name], "fast_start", {**options, "mode": mode}, PROFILE)
-                r[mode]["same_tokens"] = r[mode].get("tokens") == r["default"].get("tokens")
-                r[mode]["first_difference"] = first_difference(r["default"], r[mode])
-                r[mode]["same_digest"] = r[mode].get("digest") == r["default"].get("digest")
+            for i in range(1, RUNS + 1):
+                for mode in ("zero_copy",) if PROFILE else ("zero_copy", "copy"):
+                    label = mode if i == 1 else f"{mode}-{i}"
+                    r[label] = compared(r, engine(f"{name}-{label}", paths[name], "fast_start",
+                                                  {**options, "mode": mode}, PROFILE))
+                    (OUT / "summary.json").write_text(json.dumps(summary, indent=1))
             (OUT / "summary.json").write_text(json.dumps(summary, indent=1))
     finally:
         proc.terminate()

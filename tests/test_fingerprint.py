@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -38,3 +39,36 @@ def test_changed_header_changes_the_checkpoint_hash(small):
 def test_round_trips_through_a_dict(llama):
     fp = fingerprint(WeightSpec(str(llama)), open_checkpoint(llama))
     assert Fingerprint.from_dict(fp.to_dict()) == fp
+
+
+def test_the_checkpoint_hash_covers_every_safetensors_file_without_reading_the_index(llama, tmp_path):
+    """An engine's fingerprint hashes the header of every *.safetensors file and never parses the
+    index (megabytes for an MoE); for a complete download that is the index's shards, so it equals
+    the fill's and the hash of the shards the index names."""
+    import hashlib
+    import json
+
+    from fast_start import watch
+    from fast_start.errors import CheckpointError
+    from fast_start.headers import INDEX, raw_header
+    folder = shutil.copytree(llama, tmp_path / "m")
+    ckpt = open_checkpoint(folder)
+    engine = fingerprint(WeightSpec(str(folder)))
+    assert engine == fingerprint(WeightSpec(str(folder)), ckpt)
+    named = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
+    assert len(named) == 3
+    h = hashlib.sha256()
+    for name in named:
+        raw = raw_header(folder / name)
+        h.update(f"{name}\0{len(raw)}\0".encode())
+        h.update(raw)
+    assert engine.checkpoint == h.hexdigest()
+
+    (folder / INDEX).write_text("not json")         # the engine's check does not read it ...
+    assert fingerprint(WeightSpec(str(folder))) == engine
+    with pytest.raises(CheckpointError, match=INDEX):   # ... the fill, which loads by it, refuses it
+        open_checkpoint(folder)
+
+    shutil.copy(folder / named[0], folder / "adapter.safetensors")   # a stray file: stricter, not looser
+    assert fingerprint(WeightSpec(str(folder))).diff(engine) == ("checkpoint",)
+    assert "adapter.safetensors" in watch.identity(folder)
