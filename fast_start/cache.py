@@ -93,9 +93,10 @@ class Cache:
     def __init__(self, gpu: int, device: str, on_release: str, limits: Limits = Limits(),
                  on_evict: Callable[[Entry], None] = lambda entry: None,
                  on_process: Callable[[int], None] = lambda pidfd: None,
-                 on_stale: Callable[[str, str], None] = lambda model, why: None):
+                 on_stale: Callable[[str, str], None] = lambda model, why: None,
+                 on_fill: Callable[[str], None] = lambda model: None):
         self.gpu, self.device, self.on_release, self.limits = gpu, device, on_release, limits
-        self.on_evict, self.on_process, self.on_stale = on_evict, on_process, on_stale
+        self.on_evict, self.on_process, self.on_stale, self.on_fill = on_evict, on_process, on_stale, on_fill
         self.entries: dict[str, Entry] = {}
         self.leases: dict[int, Lease] = {}
         self.procs: dict[int, Process] = {}
@@ -137,6 +138,11 @@ class Cache:
                 return _no(protocol.Error(f"uid {peer.uid} may not evict: that needs root, the daemon's user or a "
                                           "member of admin_groups", "run fast-start evict as one of them"))
             return _no(self.evict_request(msg.model))
+        if isinstance(msg, protocol.Fill):
+            if not peer.admin:
+                return _no(protocol.Error(f"uid {peer.uid} may not fill: that needs root, the daemon's user or a "
+                                          "member of admin_groups", "run fast-start fill as one of them"))
+            return _no(self.fill_request(msg.model))
         body = {"status": self.status, "fingerprints": self.fingerprints, "evictions": self.eviction_list}[msg.kind]
         return _no(protocol.Report(body(peer)))
 
@@ -288,6 +294,21 @@ class Cache:
         for name in names:
             self.evict(name, "manual")
         return protocol.Report({"evicted": names})
+
+    def fill_request(self, model: str):
+        """Queue a fill of `model` (or of every configured model not cached) with the keeper."""
+        with self.lock:
+            if model and model not in self.configured:
+                return protocol.Error(f"model {model!r} is not configured for GPU {self.gpu}",
+                                      f"configured: {', '.join(self.configured) or 'none'}; add it to the config "
+                                      "and run systemctl reload")
+            names = [n for n in ([model] if model else self.configured) if n not in self.entries]
+            for name in names:
+                self.pending[name] = {"name": name, "state": "filling", "detail": "asked by fast-start fill",
+                                      "since": time.time()}
+        for name in names:
+            self.on_fill(name)
+        return protocol.Report({"filling": names, "cached": [n for n in self.configured if n not in names]})
 
     def evict(self, name: str, reason: str, pending: str = "evicted") -> bool:
         """Stop serving `name`; its fds close once no reply carries them. False if it was not cached."""

@@ -2,7 +2,9 @@
 
 Exit codes are part of the interface (runbooks branch on them): 0 ok / match, 1 mismatch or
 not ready, 2 usage (including a bad config), 3 no daemon reachable. `fails` below is the one
-place where errors become one line and an exit code; no command prints a traceback.
+place where errors become one line and an exit code; no command prints a traceback. With
+`--json` (before or after the command) the output and the errors are JSON: an error is
+`{"error": ..., "fix": ..., "exit_code": N}` on stdout, with the same exit code.
 
 The CLI imports no torch: it talks to daemons (`transport.py`) and reads headers; `verify --deep`,
 which compares tensor bytes, hands that to a fill worker.
@@ -23,40 +25,61 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from . import __version__, protocol, vllm_rules, watch
 from . import config as configs
-from . import protocol, vllm_rules, watch
 from .config import ConfigError
 from .errors import FastStartError, NoDaemon, Refused
 from .fingerprint import Fingerprint, WeightSpec, checkpoint_hash, fingerprint
 from .transport import DEFAULT_SOCKET_DIR, connect, request, socket_path, state_path
 from .trust import TrustError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
                   help="Keep inference engines' weights resident on each GPU between restarts.")
 out = Console()
 
 CONFIG = typer.Option(configs.DEFAULT_PATH, "--config", help="config file (finds the socket directory)")
 GPU = typer.Option(None, "--gpu", help="GPU index; all daemons in the socket directory when left out")
-JSON = typer.Option(False, "--json", help="machine-readable output")
+JSON = typer.Option(False, "--json", help="machine-readable output (errors too)")
+_json = [False]     # the global --json, given before the command
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"fast-start {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version and exit"),
+          as_json: bool = JSON):
+    _json[0] = as_json
+
+
+def error(what: str, fix: str, code: int, as_json: bool) -> typer.Exit:
+    """Report an error (one line on stderr, or a JSON object on stdout) and the Exit to raise."""
+    if as_json:
+        print(json.dumps({"error": what, "fix": fix, "exit_code": code}))
+    else:
+        print(f"error: {what}" + (f" (fix: {fix})" if fix else ""), file=sys.stderr)   # one line, never wrapped
+    return typer.Exit(code)
 
 
 def fails(command):
-    """Map errors to one line on stderr and the documented exit code; never a traceback."""
+    """Map errors to one line (or a JSON object) and the documented exit code; never a traceback."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        as_json = kwargs.get("as_json", False) or _json[0]
         try:
             return command(*args, **kwargs)
         except FastStartError as e:
-            print(f"error: {e}", file=sys.stderr)     # one line, never wrapped or highlighted
             code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, (NoDaemon, TrustError)) else 1
-            raise typer.Exit(code) from None
+            raise error(e.what, e.fix, code, as_json) from None
         except MemoryError:
-            print("error: out of memory (fix: raise the process's memory limit, e.g. LimitAS= or ulimit -v)",
-                  file=sys.stderr)
-            raise typer.Exit(1) from None
+            raise error("out of memory", "raise the process's memory limit, e.g. LimitAS= or ulimit -v", 1,
+                        as_json) from None
         except OSError as e:
-            print(f"error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", file=sys.stderr)
-            raise typer.Exit(1) from None
+            raise error(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}", "", 1, as_json) from None
     return wrapper
 
 
@@ -103,7 +126,7 @@ def ask(directory: str, gpu: int, msg, with_fds: bool = False):
 
 
 def emit(data, as_json: bool, human) -> None:
-    if as_json:
+    if as_json or _json[0]:
         out.print_json(json.dumps(data))
     else:
         human(data)
@@ -213,12 +236,42 @@ def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint 
                     pp: int = typer.Option(1, "--pp", help="pipeline stages (layout vllm); --rank is the global rank"),
                     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="layout vllm"),
                     as_json: bool = JSON):
-    """Compute a checkpoint's fingerprint without a daemon (layout vllm: with this shell's VLLM_* kernel variables)."""
+    """Compute a checkpoint's fingerprint without a daemon (layout vllm: with this shell's VLLM_* kernel variables).
+
+    The options obey the config's rules for a [[model]] (and, for layout hf, the TP size must divide
+    the model's heads and widths, as the fill requires): a digest is only printed for a rank a
+    daemon could serve."""
+    check_spec_options(model, tp, rank, dtype, quantization, layout, engine_version, pp)
     options = vllm_rules.engine_options(dict(os.environ), kv_cache_dtype, pp) if layout == "vllm" else ""
     fp = fingerprint(WeightSpec(str(model), tp, rank, dtype, quantization, layout, revision, engine_version, pp, options))
     data = {"digest": fp.digest(), "fingerprint": fp.to_dict()}
 
     emit(data, as_json, lambda d: _field_table(f"fingerprint {d['digest'][:16]}", d["fingerprint"]))
+
+
+# The fingerprint command's options, by the config key each stands for.
+FLAGS = {"tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp", "dtype": "--dtype", "layout": "--layout",
+         "quantization": "--quantization", "engine_version": "--engine-version", "path": "--model"}
+
+
+def check_spec_options(model: Path, tp: int, rank: int, dtype: str, quantization: str, layout: str,
+                       engine_version: str, pp: int) -> None:
+    """ConfigError (exit 2) for options no daemon could serve, by the rules of the config file."""
+    configs.check_model(configs.ModelConfig("fingerprint", str(model.absolute()), (0,), tp, 0, dtype, quantization,
+                                            layout, engine_version=engine_version, pipeline_parallel_size=pp),
+                        "fingerprint:", check_paths=True, names=FLAGS)
+    ranks = tp * pp
+    if not 0 <= rank < ranks:
+        raise ConfigError(f"fingerprint: --rank {rank} is outside the {ranks} rank(s) of --tp {tp} --pp {pp}",
+                          f"use a rank from 0 to {ranks - 1}")
+    if layout == "hf":          # vLLM's layout: vLLM judges its own TP sizes when it fills
+        from .headers import read_config, tp_constraints
+        dims = read_config(model)
+        bad = [what for what, ok in tp_constraints(dims, tp) if not ok]
+        if bad:
+            sizes = [t for t in range(1, dims.num_heads + 1) if all(ok for _, ok in tp_constraints(dims, t))]
+            raise ConfigError(f"fingerprint: --tp {tp} does not divide {', '.join(bad)} of {model}",
+                              f"use one of the TP sizes {sizes}")
 
 
 @app.command()
@@ -286,13 +339,112 @@ def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpe
             os.close(fd)
 
 
+@app.command("check-config")
+@fails
+def check_config(config: Path = CONFIG, as_json: bool = JSON):
+    """Check a config as `nginx -t` does: the file, each model's folder, the memory each GPU's
+    models need against its budget, and each worker interpreter. Exit 0 when all pass, 2 if not."""
+    import subprocess
+    from .daemon import device_memory
+    from .headers import read_config, tp_constraints
+    from .worker import estimate
+    cfg = configs.load(config)
+    checks = [{"check": "config", "ok": True, "detail": f"{config}: {len(cfg.models)} model(s)"}]
+    need: dict[int, int] = {}
+    for m in cfg.models:
+        try:
+            for gpu in m.gpus:
+                spec = m.spec(gpu)
+                fingerprint(spec)           # config.json and every header, read as this user
+                if m.layout == "hf":
+                    bad = [what for what, ok in tp_constraints(read_config(Path(m.path)), spec.tensor_parallel_size)
+                           if not ok]
+                    if bad:
+                        raise ConfigError(f"tensor_parallel_size {spec.tensor_parallel_size} does not divide "
+                                          f"{', '.join(bad)}", "use a TP size the model's heads and widths allow")
+                need[gpu] = need.get(gpu, 0) + estimate(spec)
+            checks.append({"check": f"model {m.name}", "ok": True, "detail": f"{m.path} readable by uid {os.geteuid()}"})
+        except FastStartError as e:
+            checks.append({"check": f"model {m.name}", "ok": False, "detail": str(e)})
+    for gpu, nbytes in sorted(need.items()):
+        try:
+            total = device_memory(cfg.daemon.device, gpu)
+            budget = configs.parse_bytes(cfg.daemon.memory_budget, total)
+            checks.append({"check": f"memory GPU {gpu}", "ok": nbytes <= budget,
+                           "detail": f"models need about {configs.format_bytes(nbytes)} of a "
+                                     f"{configs.format_bytes(budget)} budget (memory_budget = "
+                                     f"{cfg.daemon.memory_budget!r} of {configs.format_bytes(total)})"})
+        except FastStartError as e:
+            checks.append({"check": f"memory GPU {gpu}", "ok": False, "detail": str(e)})
+    for python in sorted({cfg.python(m) for m in cfg.models}):
+        vllm = any(m.layout == "vllm" for m in cfg.models if cfg.python(m) == python)
+        modules = "fast_start, torch" + (", vllm" if vllm else "")
+        try:
+            done = subprocess.run([python, "-c", f"import {modules}"], capture_output=True, text=True, timeout=300)
+            detail = f"imports {modules}" if not done.returncode else \
+                (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+            checks.append({"check": f"worker {python}", "ok": not done.returncode, "detail": detail})
+        except (OSError, subprocess.TimeoutExpired) as e:
+            checks.append({"check": f"worker {python}", "ok": False, "detail": str(e)})
+
+    def human(rows):
+        table = Table("check", "", "detail")
+        for r in rows:
+            table.add_row(r["check"], "ok" if r["ok"] else "FAIL", r["detail"])
+        out.print(table)
+    emit(checks, as_json, human)
+    if not all(c["ok"] for c in checks):
+        raise typer.Exit(2)
+
+
 @app.command()
 @fails
 def evict(gpu: int = typer.Option(..., "--gpu"), model: Optional[str] = typer.Option(None, "--model"),
+          every: bool = typer.Option(False, "--all", help="evict every model on the GPU (asked otherwise)"),
           config: Path = CONFIG, as_json: bool = JSON):
-    """Drop a model (or all) from a GPU's cache; engines that map it keep working."""
+    """Drop a model (or, with --all, every model) from a GPU's cache; engines that map it keep working."""
+    if model and every:
+        raise ConfigError("evict: --model and --all exclude each other", "name one model, or pass --all alone")
+    if not model and not every:
+        if not sys.stdin.isatty() or as_json or _json[0]:
+            raise ConfigError(f"evict --gpu {gpu} without --model would evict every model on GPU {gpu}",
+                              "name the model with --model NAME, or pass --all")
+        if not typer.confirm(f"Evict every model cached on GPU {gpu}?", default=False):
+            raise typer.Exit(1)
     body = ask(socket_dir(config), gpu, protocol.Evict(model or "")).body
     emit(body, as_json, lambda b: out.print(f"GPU {gpu}: evicted {', '.join(b['evicted']) or 'nothing'}"))
+
+
+@app.command()
+@fails
+def fill(gpu: int = typer.Option(..., "--gpu"), model: Optional[str] = typer.Option(None, "--model"),
+         wait: float = typer.Option(0.0, "--wait", help="seconds to wait for the fill to finish (0: return at once)"),
+         config: Path = CONFIG, as_json: bool = JSON):
+    """Fill a configured model that is not cached (evicted, failed), or every such model, without
+    restarting the unit. Exit 0 once filled (or queued, without --wait), 1 if it failed or is not done."""
+    directory = socket_dir(config)
+    body = ask(directory, gpu, protocol.Fill(model or "")).body
+    if wait > 0 and body["filling"]:
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            time.sleep(0.25)
+            status = ask(directory, gpu, protocol.Status()).body
+            left = {m["name"]: m for m in status["missing"] if m["name"] in body["filling"]}
+            if not left or any(m["state"] == "failed" for m in left.values()):
+                break
+        body["not_filled"] = [{"name": m["name"], "state": m["state"], "detail": m["detail"]} for m in left.values()]
+
+    def human(b):
+        out.print(f"GPU {gpu}: " + (f"filling {', '.join(b['filling'])}" if b["filling"] else "nothing to fill")
+                  + (f" (cached: {', '.join(b['cached'])})" if b["cached"] else ""))
+        if "not_filled" in b:
+            for m in b["not_filled"]:
+                out.print(f"GPU {gpu}: {m['name']} not filled yet: {m['state']}" + (f" ({m['detail']})" if m["detail"] else ""))
+            if not b["not_filled"]:
+                out.print(f"GPU {gpu}: filled {', '.join(b['filling'])}")
+    emit(body, as_json, human)
+    if body.get("not_filled"):
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -313,8 +465,22 @@ def evictions(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = J
 
 
 def main() -> None:
-    app()
-
+    """The `fast-start` command (and `python -m fast_start`): click's usage errors become JSON
+    with --json, like every other error."""
+    # click's base of usage errors, whether typer vendors click (0.2x) or uses it (Debian's 0.7)
+    usage = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+    try:
+        code = app(standalone_mode=False)
+    except usage as e:          # an unknown option, a missing value, no command
+        if "--json" not in sys.argv[1:]:
+            e.show()
+        else:
+            print(json.dumps({"error": e.format_message(), "fix": "see fast-start --help", "exit_code": e.exit_code}))
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        print("Aborted.", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 if __name__ == "__main__":
     main()

@@ -126,7 +126,7 @@ def parse(data: dict, path: str, check_paths: bool = True) -> Config:
         if m.name in names:
             raise ConfigError(f"{where}: name {m.name!r} is used twice", "give every model its own name")
         names.add(m.name)
-        _check_model(m, where, check_paths)
+        check_model(m, where, check_paths)
     return Config(path, daemon, parsed)
 
 
@@ -231,9 +231,12 @@ def _check_vllm(m: ModelConfig, bad) -> None:
         bad("engine_env", f"is {list(m.engine_env)}: {e.what}", e.fix)
 
 
-def _check_model(m: ModelConfig, where: str, check_paths: bool) -> None:
+def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, str] | None = None) -> None:
+    """The rules a [[model]] table obeys; `names` renames its keys in the errors (the CLI's
+    `fingerprint` names its options)."""
     def bad(key, what, fix):
-        raise ConfigError(f"{where} key {key!r} {what}", fix)
+        raise ConfigError(f"{where} {names[key]} {what}" if names and key in names else f"{where} key {key!r} {what}",
+                          fix)
     if not m.gpus:
         bad("gpus", "is empty", "list the GPU indices that serve this model, e.g. gpus = [0]")
     if len(set(m.gpus)) != len(m.gpus) or min(m.gpus) < 0:

@@ -106,7 +106,8 @@ class Daemon:
         self.limits, max_connections = fd_budget()
         self.cache = Cache(gpu, device_id(cfg.daemon.device, gpu), cfg.daemon.on_release, self.limits,
                            on_evict=lambda entry: fdstore.remove(entry.names),
-                           on_process=self.watch_process, on_stale=lambda name, why: self.keeper.stale(name, why))
+                           on_process=self.watch_process, on_stale=lambda name, why: self.keeper.stale(name, why),
+                           on_fill=lambda name: self.keeper.put("fill", name))
         self.cache.configured = tuple(m.name for m in self.models)
         self.server = Server(self.cache, Policy.of(cfg.daemon), max_connections)
         self.watch = watch.Watch()

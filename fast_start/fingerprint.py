@@ -95,6 +95,7 @@ def fingerprint(spec: WeightSpec, ckpt: "Checkpoint | None" = None) -> Fingerpri
     cache lookup needs, since a daemon holding the same header hash validated those very files.
     """
     folder = Path(spec.path)
+    checkpoint = checkpoint_hash(folder, ckpt.headers if ckpt else None)   # first: names an unreadable folder
     if spec.layout == "vllm":      # any architecture vLLM builds; vLLM's own quantization names
         architecture, checkpoint_config = read_identity(folder)
         quantization = vllm_rules.resolve(spec.quantization, checkpoint_config)
@@ -104,7 +105,7 @@ def fingerprint(spec: WeightSpec, ckpt: "Checkpoint | None" = None) -> Fingerpri
         architecture, quantization = dims.architecture, spec.quantization
         config = quant.config_hash(quant.method(quantization), dims.quantization_config)
     return Fingerprint(
-        checkpoint=checkpoint_hash(folder, ckpt.headers if ckpt else None), architecture=architecture,
+        checkpoint=checkpoint, architecture=architecture,
         tensor_parallel_size=spec.tensor_parallel_size, rank=spec.rank, dtype=spec.dtype,
         quantization=quantization, quantization_config=config,
         revision=spec.revision, engine_version=spec.engine_version,

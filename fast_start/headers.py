@@ -64,7 +64,10 @@ def _config_json(folder: Path) -> tuple[Path, dict, str | None]:
         cfg = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing", "copy the model's config.json next to its weights") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}", "make the checkpoint readable by this "
+                              f"process's user (uid {os.geteuid()})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path} is not readable JSON: {e}", "restore the model's config.json") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path} is not a JSON object", "restore the model's config.json")
@@ -162,7 +165,7 @@ def weight_files(folder: Path) -> tuple[str, ...]:
     try:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
     except OSError as e:
-        raise CheckpointError(f"cannot list {folder}: {e.strerror or e}", "make the checkpoint readable by this "
+        raise CheckpointError(f"cannot read {folder}: {e.strerror or e}", "make the checkpoint readable by this "
                               f"process's user (uid {os.geteuid()})") from None
     if not names:
         raise CheckpointError(f"no *.safetensors files in {folder}",
@@ -229,3 +232,23 @@ def _index(index: Path) -> tuple[dict[str, str], frozenset[str]]:
                                   "the index may only name files next to it")
     _INDEXES[index] = (key, weight_map, files)
     return weight_map, files
+
+
+def padded(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple` (0: unchanged)."""
+    return -(-n // multiple) * multiple if multiple else n
+
+
+def tp_constraints(d: ModelDims, t: int, vocab_padding: int = 0) -> list[tuple[str, bool]]:
+    """What a TP size `t` must divide in a model, each with whether it does (`shard.check_tp`; the
+    CLI checks `fingerprint --tp` with it, without torch)."""
+    kv_ok = d.num_kv_heads % t == 0 or t % d.num_kv_heads == 0
+    vocab = padded(d.vocab_size, vocab_padding)
+    out = [(f"num_attention_heads ({d.num_heads})", d.num_heads % t == 0),
+           (f"num_key_value_heads ({d.num_kv_heads})", kv_ok),
+           (f"vocab_size ({d.vocab_size}{f', padded to {vocab}' if vocab_padding else ''})", vocab % t == 0)]
+    if len(d.sparse_layers) < d.num_layers:
+        out.append((f"intermediate_size ({d.intermediate_size})", d.intermediate_size % t == 0))
+    if d.sparse_layers:
+        out.append((f"moe_intermediate_size ({d.moe_intermediate_size})", d.moe_intermediate_size % t == 0))
+    return out

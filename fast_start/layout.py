@@ -25,8 +25,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .headers import ModelDims
-from .shard import padded
+from .headers import ModelDims, padded
 
 # vLLM's DEFAULT_VOCAB_PADDING_SIZE: vocab-parallel tensors hold a multiple of 64 rows in all.
 VLLM_VOCAB_PADDING = 64

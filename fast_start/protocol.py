@@ -136,6 +136,11 @@ class Evictions(Message):
     kind = "evictions"
 
 
+class Fill(Message):
+    kind = "fill"
+    model: str = ""               # "" fills every configured model that is not cached
+
+
 class Welcome(Message):
     kind = "welcome"
     protocol: int
@@ -230,10 +235,10 @@ class Verified(Message):                   # worker -> daemon
 
 
 KINDS = {c.kind: c for c in (
-    Hello, Status, Fingerprints, Acquire, Release, Evict, Evictions, Welcome, Report, Acquired, Miss, Error,
+    Hello, Status, Fingerprints, Acquire, Release, Evict, Evictions, Fill, Welcome, Report, Acquired, Miss, Error,
     Progress, Filled, WorkerHello, CheckJob, Checked, FillJob, VerifyJob, Verified)}
 JOBS = ("check_job", "fill_job", "verify_job")
-REQUESTS = ("hello", "status", "fingerprints", "acquire", "release", "evict", "evictions")
+REQUESTS = ("hello", "status", "fingerprints", "acquire", "release", "evict", "evictions", "fill")
 _TYPES = {"int": int, "str": str, "dict": dict, "list": list, "float": (int, float)}
 
 

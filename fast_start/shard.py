@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .headers import ModelDims
+from .headers import ModelDims, padded, tp_constraints
 from .errors import ShardError
 from .quant import BLOCK
 
@@ -127,33 +127,15 @@ def _scale_cut(name: str, weight: str, suffix: str, scale: torch.Tensor,
     return Cut(cut.dim, cut.start // BLOCK, -(-cut.length // BLOCK))
 
 
-def padded(n: int, multiple: int) -> int:
-    """`n` rounded up to a multiple of `multiple` (0: unchanged)."""
-    return -(-n // multiple) * multiple if multiple else n
-
-
 def check_tp(dims: ModelDims, size: int, rank: int, vocab_padding: int = 0) -> TP:
     """Validate a TP size and rank against the model's dimensions, before any data is read."""
     if size < 1 or not 0 <= rank < size:
         raise ShardError(f"rank {rank} is outside a tensor-parallel group of size {size}",
                          f"use a rank from 0 to {size - 1}" if size >= 1 else "use a TP size of 1 or more")
-    bad = [d for d, ok in _constraints(dims, size, vocab_padding) if not ok]
+    bad = [d for d, ok in tp_constraints(dims, size, vocab_padding) if not ok]
     if bad:
         valid = [t for t in range(1, dims.num_heads + 1)
-                 if all(ok for _, ok in _constraints(dims, t, vocab_padding))]
+                 if all(ok for _, ok in tp_constraints(dims, t, vocab_padding))]
         raise ShardError(f"TP size {size} does not divide {', '.join(bad)} of {dims.architecture}",
                          f"use one of the TP sizes {valid}")
     return TP(rank, size, dims.num_kv_heads, dims.head_dim, vocab_padding)
-
-
-def _constraints(d: ModelDims, t: int, vocab_padding: int) -> list[tuple[str, bool]]:
-    kv_ok = d.num_kv_heads % t == 0 or t % d.num_kv_heads == 0
-    vocab = padded(d.vocab_size, vocab_padding)
-    out = [(f"num_attention_heads ({d.num_heads})", d.num_heads % t == 0),
-           (f"num_key_value_heads ({d.num_kv_heads})", kv_ok),
-           (f"vocab_size ({d.vocab_size}{f', padded to {vocab}' if vocab_padding else ''})", vocab % t == 0)]
-    if len(d.sparse_layers) < d.num_layers:
-        out.append((f"intermediate_size ({d.intermediate_size})", d.intermediate_size % t == 0))
-    if d.sparse_layers:
-        out.append((f"moe_intermediate_size ({d.moe_intermediate_size})", d.moe_intermediate_size % t == 0))
-    return out

@@ -55,10 +55,8 @@ def test_fingerprint_without_a_daemon(small):
     assert r.exit_code == 0
     want = fingerprint(fast_start.WeightSpec(str(small), 2, 1, quantization="fp8"), open_checkpoint(small))
     assert json.loads(r.stdout)["digest"] == want.digest()
-    r = cli("fingerprint", "--model", small, "--tp", 3)
-    assert r.exit_code == 0      # the fingerprint does not judge; fetch and the daemon do
-    r = cli("fingerprint", "--model", small.parent / "missing")
-    assert r.exit_code == 1 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
+    r = cli("fingerprint", "--model", small.parent / "missing")      # as a config's path: a usage error
+    assert r.exit_code == 2 and r.stderr.startswith("error: fingerprint: --model ") and r.stderr.count("\n") == 1
 
 
 def test_verify_match_another_copy_and_no_daemon(tmp_path, small, daemons):
@@ -99,3 +97,109 @@ def test_real_subprocess_exit_codes(tmp_path, small, daemons):
     p = subprocess.run([exe, "status"], capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 3 and p.stderr.startswith("error: no fast-start daemon")
     assert "Traceback" not in p.stderr
+
+
+def test_fingerprint_validates_its_options_as_the_config_does(small):
+    """A digest is only printed for a rank a daemon could serve: the config's rules for a
+    [[model]], the rank inside TP x PP, and (layout hf) a TP size the model's shapes allow."""
+    heads = open_checkpoint(small).dims.num_heads
+    for args, words in ((("--tp", heads + 1), f"--tp {heads + 1} does not divide num_attention_heads ({heads})"),
+                        (("--rank", 7), "--rank 7 is outside the 1 rank(s) of --tp 1 --pp 1"),
+                        (("--dtype", "int3"), "--dtype is 'int3'"),
+                        (("--layout", "foo"), "--layout is 'foo'"),
+                        (("--quantization", "int2"), "--quantization is 'int2'"),
+                        (("--pp", 2, "--rank", 1), "--pp is 2 with layout 'hf'"),
+                        (("--tp", 0), "--tp is 0"),
+                        (("--engine-version", "auto"), "--engine-version is \"auto\"")):
+        r = cli("fingerprint", "--model", small, *args)
+        assert r.exit_code == 2 and words in r.stderr, (args, r.stderr)
+        r = cli("fingerprint", "--model", small, *args, "--json")
+        assert r.exit_code == 2 and words in json.loads(r.stdout)["error"]
+    assert cli("fingerprint", "--model", small, "--tp", 2, "--rank", 1).exit_code == 0
+
+
+def test_help_version_completion_and_python_dash_m():
+    exe = Path(sys.executable).parent / "fast-start"
+
+    def run(*argv, env=None):
+        return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=60, env=env)
+    for argv in ((exe, "-h"), (sys.executable, "-m", "fast_start", "--help"), (exe, "status", "-h")):
+        p = run(*argv)
+        assert p.returncode == 0 and "Usage:" in p.stdout, argv
+    p = run(exe, "--version")
+    assert p.returncode == 0 and p.stdout == f"fast-start {fast_start.__version__}\n"
+    p = run(exe, "--show-completion", "bash")
+    assert p.returncode == 0 and "_FAST_START_COMPLETE=complete_bash" in p.stdout
+    env = {**os.environ, "_FAST_START_COMPLETE": "complete_bash", "COMP_WORDS": "fast-start evict --a", "COMP_CWORD": "2"}
+    assert run(exe, env=env).stdout.split() == ["--all"]
+
+
+def test_json_before_or_after_the_command_and_errors_as_json(tmp_path, small, daemons):
+    exe = Path(sys.executable).parent / "fast-start"
+
+    def run(*argv):
+        p = subprocess.run([str(exe), *map(str, argv)], capture_output=True, text=True, timeout=60)
+        return p.returncode, json.loads(p.stdout) if p.stdout.strip() else None, p.stderr
+    cfg, d = setup(tmp_path, small, daemons)
+    for argv in (("--json", "status", "--config", cfg), ("status", "--config", cfg, "--json")):
+        code, data, _ = run(*argv)
+        assert code == 0 and data[0]["state"] == "ready"
+    code, data, err = run("--json", "status", "--config", tmp_path / "missing.toml")       # a bad config: 2
+    assert code == 2 and data["exit_code"] == 2 and "does not exist" in data["error"] and data["fix"] and not err
+    code, data, _ = run("--json", "status", "--bogus")                                     # usage: 2
+    assert code == 2 and data["exit_code"] == 2 and "--bogus" in data["error"]
+    code, data, _ = run("evict", "--gpu", 0, "--model", "nope", "--config", cfg, "--json")  # a refusal: 1
+    assert code == 1 and "'nope' is not cached" in data["error"]
+    d.stop()
+    code, data, _ = run("--json", "fingerprints", "--config", cfg)                         # no daemon: 3
+    assert code == 3 and data["exit_code"] == 3 and "no fast-start daemon" in data["error"]
+
+
+def test_evicting_everything_needs_all_or_a_yes(tmp_path, small, daemons):
+    cfg, d = setup(tmp_path, small, daemons)
+    r = cli("evict", "--gpu", 0, "--config", cfg)          # not a terminal: refused, nothing evicted
+    assert r.exit_code == 2 and "pass --all" in r.stderr
+    r = cli("evict", "--gpu", 0, "--config", cfg, "--all", "--model", "small")
+    assert r.exit_code == 2 and "exclude each other" in r.stderr
+    assert json.loads(cli("status", "--config", cfg, "--json").stdout)[0]["models"][0]["name"] == "small"
+    r = cli("evict", "--gpu", 0, "--config", cfg, "--all")
+    assert r.exit_code == 0 and "evicted small" in r.stdout
+
+
+def test_check_config_passes_a_good_config_and_names_each_failure(tmp_path, small):
+    good = write_config(tmp_path / "good.toml", tmp_path / "run",
+                        [{"name": "small", "path": str(small), "gpus": [0]}], worker_python=sys.executable)
+    r = cli("check-config", "--config", good, "--json")
+    checks = {c["check"]: c for c in json.loads(r.stdout)}
+    assert r.exit_code == 0 and all(c["ok"] for c in checks.values())
+    assert {"config", "model small", "memory GPU 0", f"worker {sys.executable}"} <= set(checks)
+    copy = shutil.copytree(small, tmp_path / "unreadable")
+    (copy / "config.json").unlink()
+    bad = write_config(tmp_path / "bad.toml", tmp_path / "run",
+                       [{"name": "gone", "path": str(copy), "gpus": [0]},
+                        {"name": "huge", "path": str(small), "gpus": [0]}],
+                       worker_python=str(tmp_path / "no-python"), memory_budget="1KiB")
+    r = cli("check-config", "--config", bad, "--json")
+    checks = {c["check"]: c for c in json.loads(r.stdout)}
+    assert r.exit_code == 2
+    assert not checks["model gone"]["ok"] and "config.json is missing" in checks["model gone"]["detail"]
+    assert checks["model huge"]["ok"] and not checks["memory GPU 0"]["ok"]
+    assert not checks[f"worker {tmp_path / 'no-python'}"]["ok"]
+    r = cli("check-config", "--config", tmp_path / "missing.toml")
+    assert r.exit_code == 2 and "does not exist" in r.stderr
+
+
+def test_fill_refills_an_evicted_model_without_a_restart(tmp_path, small, daemons):
+    cfg, d = setup(tmp_path, small, daemons)
+    assert cli("evict", "--gpu", 0, "--model", "small", "--config", cfg).exit_code == 0
+    r = cli("status", "--config", cfg)
+    assert r.exit_code == 1 and "evicted" in r.stdout             # configured, not cached
+    r = cli("fill", "--gpu", 0, "--model", "small", "--config", cfg, "--wait", 120)
+    assert r.exit_code == 0 and "filled small" in r.stdout, r.stdout
+    assert cli("status", "--config", cfg).exit_code == 0
+    w = fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"), socket_dir=str(tmp_path / "run"),
+                         fallback=False)
+    assert w.source == "cache"
+    assert json.loads(cli("fill", "--gpu", 0, "--config", cfg, "--json").stdout) == {"filling": [], "cached": ["small"]}
+    r = cli("fill", "--gpu", 0, "--model", "nope", "--config", cfg)
+    assert r.exit_code == 1 and "model 'nope' is not configured for GPU 0" in r.stderr

@@ -211,6 +211,7 @@ def test_bad_frames_get_errors_and_the_daemon_keeps_serving(tmp_path, small, dae
                 elif kind < 0.9:    # JSON that is not a valid message
                     body = json.dumps(rng.choice([{"kind": "acquire", "fingerprint": 3, "mode": "x"},
                                                   {"kind": "release"}, {"kind": "evict", "model": 7},
+                                                  {"kind": "fill", "model": ["x"]},
                                                   [1, 2], {"kind": "welcome", "protocol": 1, "device": "cpu",
                                                            "gpu": 0, "pid": 1}, "x" * 100,
                                                   {"kind": "hello", "protocol": 99}])).encode()

@@ -38,10 +38,11 @@ AS_NOBODY = textwrap.dedent("""
                 p = select.poll(); p.register(conn, select.POLLRDHUP)
                 assert p.poll(10_000)
                 print(request(conn, protocol.Hello(protocol.VERSION)).kind)
-        elif what == "evict":
+        elif what in ("evict", "fill"):
             with connect(sock, 5) as conn:
                 request(conn, protocol.Hello(protocol.VERSION))
-                print(request(conn, protocol.Evict("small")).body)
+                ask = protocol.Evict("small") if what == "evict" else protocol.Fill("small")
+                print(request(conn, ask).body)
         elif what.startswith("status"):        # "status FOLDER": fetch it, then ask for the status
             w = fast_start.fetch(fast_start.WeightSpec(what.split()[1], engine_version="test"),
                                  socket_dir=os.path.dirname(sock), fallback=False)
@@ -119,7 +120,9 @@ def test_engines_may_not_evict_or_see_others_and_admin_groups_may(tmp_path, open
     assert "path" not in seen["models"][0]
     assert [l["uid"] for l in seen["leases"]] == [NOBODY.pw_uid]   # root's lease is not shown
     assert as_nobody(d.socket, "evict").startswith("error uid 65534 may not evict")
+    assert as_nobody(d.socket, "fill").startswith("error uid 65534 may not fill")
     assert as_nobody(d.socket, "evict", groups=[USERS]) == "{'evicted': ['small']}"
+    assert as_nobody(d.socket, "fill", groups=[USERS]) == "{'filling': ['small'], 'cached': []}"
 
 
 @root_only

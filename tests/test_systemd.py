@@ -304,7 +304,7 @@ def test_an_engine_of_another_user_fetches_under_the_shipped_unit(box):
         refused = engine(box, user="stranger")
         assert f"uid {stranger} may not use this daemon" in refused["error"]
         p = box.run("setpriv", "--reuid=engine", "--regid=engine", "--init-groups", FAST_START, "evict", "--gpu",
-                    "0", check=False)
+                    "0", "--all", check=False)
         assert p.returncode == 1 and f"uid {uid} may not evict" in p.stderr
         assert "refused connection from pid" in journal(box, "fast-start@0")
     finally:
