@@ -18,6 +18,7 @@ model paths nor other users' leases.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import select
 import threading
@@ -29,7 +30,10 @@ from . import protocol, table, watch
 from .config import ModelConfig
 from .fingerprint import Fingerprint
 from .manifest import Manifest
+from .metrics import Metrics
 from .trust import Peer
+
+log = logging.getLogger("fast_start.daemon")
 
 MODES = ("zero_copy", "copy")
 MAX_LEASES_PER_PROCESS = 64
@@ -106,6 +110,7 @@ class Cache:
         self.evictions: collections.deque = collections.deque(maxlen=MAX_EVICTIONS)
         self.lock = threading.Lock()
         self.next_lease = 1
+        self.metrics = Metrics(gpu)
 
     def add(self, entry: Entry) -> None:
         """Serve `entry`, replacing (and evicting) any entry of the same model at once."""
@@ -143,7 +148,8 @@ class Cache:
                 return _no(protocol.Error(f"uid {peer.uid} may not fill: that needs root, the daemon's user or a "
                                           "member of admin_groups", "run fast-start fill as one of them"))
             return _no(self.fill_request(msg.model))
-        body = {"status": self.status, "fingerprints": self.fingerprints, "evictions": self.eviction_list}[msg.kind]
+        body = {"status": self.status, "fingerprints": self.fingerprints, "evictions": self.eviction_list,
+                "metrics": self.metric_samples}[msg.kind]
         return _no(protocol.Report(body(peer)))
 
     def acquire(self, msg: protocol.Acquire, peer: Peer):
@@ -166,9 +172,9 @@ class Cache:
             diffs = sorted((len(e.manifest.fingerprint.diff(want)), name) for name, e in self.entries.items())
             best = self.entries[diffs[0][1]] if diffs else None
             if best is None or best.manifest.fingerprint.diff(want):
-                return _no(self._miss(want, best))
+                return _no(self._missed(peer, self._miss(want, best)))
         if msg.files != best.files:
-            return _no(self._files_miss(best, msg.files))
+            return _no(self._missed(peer, self._files_miss(best, msg.files)))
         with self.lock:
             if best.retired:
                 return _no(protocol.Miss("the model was evicted meanwhile", [], best.model.name))
@@ -177,6 +183,9 @@ class Cache:
             if isinstance(lease, protocol.Error):
                 return _no(lease)
             best.pins += 1
+        log.info("served %s to pid %d uid %d (%s, lease %d%s)", best.model.name, peer.pid, peer.uid, msg.mode,
+                 lease.id, ", ends with the reply" if msg.mode == "copy" else "")
+        self.metrics.inc("fast_start_cache_hits_total", model=best.model.name, mode=msg.mode)
         if msg.manifest == "json":
             reply = protocol.Acquired(lease.id, best.model.name, best.manifest_dict)
         else:
@@ -197,6 +206,15 @@ class Cache:
         if closest is None:
             return protocol.Miss("this daemon caches no model")
         return protocol.Miss("fingerprint differs", list(closest.manifest.fingerprint.diff(want)), closest.model.name)
+
+    def _missed(self, peer: Peer, miss: protocol.Miss) -> protocol.Miss:
+        """Count and log a miss (one line naming the engine and the fingerprint fields that differ)."""
+        log.info("miss for pid %d uid %d: %s%s", peer.pid, peer.uid, miss.reason,
+                 f"; differing fields: {', '.join(miss.fields)}" if miss.fields else "")
+        reason = "files" if "files" in miss.fields else "fingerprint" if miss.fields else \
+            "evicted" if miss.reason.startswith("evicted") else "not_cached"
+        self.metrics.inc("fast_start_cache_misses_total", reason=reason)
+        return miss
 
     def _files_miss(self, entry: Entry, theirs) -> protocol.Miss:
         """The engine's files are not those of the fill: the checkpoint changed, or it is another copy."""
@@ -270,8 +288,10 @@ class Cache:
         with self.lock:
             proc = next((p for p in self.procs.values() if p.pidfd == pidfd), None)
             if proc is not None:
-                for lid in list(proc.leases):
+                ended = sorted(proc.leases)
+                for lid in ended:
                     self._drop_lease(self.leases[lid])
+                log.info("pid %d (uid %d) exited: lease(s) %s ended", proc.pid, proc.uid, ", ".join(map(str, ended)))
 
     def release(self, lease_id: int, peer: Peer):
         with self.lock:
@@ -281,6 +301,7 @@ class Cache:
                                       "release only leases your process acquired")
             self._drop_lease(lease)
             evict = self.on_release == "drop" and lease.model in self.entries
+        log.info("lease %d on %s released by pid %d uid %d", lease_id, lease.model, peer.pid, peer.uid)
         if evict:
             self.evict(lease.model, "release")
         return protocol.Report({"released": lease_id, "on_release": self.on_release})
@@ -319,8 +340,11 @@ class Cache:
             if name in self.configured:
                 self.pending[name] = {"name": name, "state": pending, "detail": reason, "since": time.time()}
                 self.former[name] = (entry.manifest.fingerprint, reason)
+            leases = sum(1 for l in self.leases.values() if l.model == name)
             self.evictions.append({"time": time.time(), "model": name, "reason": reason, "bytes": entry.nbytes,
-                                   "leases": sum(1 for l in self.leases.values() if l.model == name)})
+                                   "leases": leases})
+        log.info("evicted %s (%s; %.2f GiB, %d lease(s) held then)", name, reason, entry.nbytes / 2**30, leases)
+        self.metrics.inc("fast_start_evictions_total", model=name, reason=reason)
         self._retire(entry)
         return True
 
@@ -329,6 +353,7 @@ class Cache:
         with self.lock:
             self.evictions.append({"time": time.time(), "model": model, "reason": reason, "bytes": nbytes,
                                    "leases": 0})
+        self.metrics.inc("fast_start_evictions_total", model=model, reason=reason)
 
     def _retire(self, entry: Entry) -> None:
         self.on_evict(entry)
@@ -380,6 +405,15 @@ class Cache:
                                                  "digest": e.manifest.fingerprint.digest(), "bytes": e.nbytes,
                                                  "fingerprint": e.manifest.fingerprint.to_dict(), "files": e.files}
                                                 for n, e in self.entries.items()]}
+
+    def metric_samples(self, peer: Peer | None = None) -> dict:
+        """The counters, and the gauges read off the cache now."""
+        with self.lock:
+            gauges = [self.metrics.sample("fast_start_cached_bytes", e.nbytes, model=name)
+                      for name, e in self.entries.items()]
+            gauges += [self.metrics.sample("fast_start_leases", sum(1 for l in self.leases.values() if l.model == name),
+                                           model=name) for name in self.entries]
+        return {"gpu": self.gpu, "samples": self.metrics.samples() + gauges}
 
     def eviction_list(self, peer: Peer | None = None) -> dict:
         with self.lock:

@@ -299,7 +299,8 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
                 fields.append("files")
             result = {"gpu": g, "model": m["name"], "match": not fields, "fields": fields, "files": changed}
             if deep and not fields:
-                result["tensors_differing"] = _deep_compare(directory, g, stored, spec, files, config)
+                result["tensors_differing"] = _deep_compare(directory, g, stored, spec, files, config,
+                                                            as_json or _json[0])
                 result["match"] = not result["tensors_differing"]
             results.append(result)
 
@@ -316,12 +317,14 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
 
 
 def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpec, files: dict,
-                  config: Path) -> list[str]:
+                  config: Path, as_json: bool = False) -> list[str]:
     """Names of tensors whose cached bytes or disk-derived bytes differ from the manifest's checksums.
 
     A fill worker (the config's `worker_python`) maps the arenas and derives the checkpoint's
-    tensors one at a time, so neither this process nor the worker holds the shard in RAM.
+    tensors one at a time, so neither this process nor the worker holds the shard in RAM. Its
+    progress (the cache's bytes, then the disk's) is a bar on a terminal's stderr.
     """
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
     from .fill import Worker, worker_env
     reply, fds = ask(directory, gpu, protocol.Acquire(stored.to_dict(), "zero_copy", files, manifest="json"),
                       with_fds=True)
@@ -330,10 +333,16 @@ def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpe
     python = sys.executable
     if config.exists():
         python = configs.load(config, check_paths=False).daemon.worker_python or python
+    bar = Progress("{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                   console=Console(stderr=True), transient=True, disable=as_json or not sys.stderr.isatty())
     try:
-        with Worker(python, worker_env(1), threading.Event()) as worker:
+        with bar, Worker(python, worker_env(1), threading.Event()) as worker:
+            task = bar.add_task(f"GPU {gpu} {reply.model}: verifying", total=None)
             job = protocol.VerifyJob(reply.model, reply.manifest, spec._asdict())
-            return [msg for msg, _ in worker.run(job, fds)][-1].bad
+            for msg, _ in worker.run(job, fds):
+                if isinstance(msg, protocol.Progress):
+                    bar.update(task, completed=msg.done, total=msg.total)
+            return msg.bad
     finally:
         for fd in fds:
             os.close(fd)
@@ -445,6 +454,16 @@ def fill(gpu: int = typer.Option(..., "--gpu"), model: Optional[str] = typer.Opt
     emit(body, as_json, human)
     if body.get("not_filled"):
         raise typer.Exit(1)
+
+
+@app.command()
+@fails
+def metrics(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON):
+    """Counters and gauges of every daemon in Prometheus' text format (--json: the samples)."""
+    from .metrics import render
+    directory = socket_dir(config)
+    samples = [s for g in gpus(directory, gpu) for s in ask(directory, g, protocol.Metrics()).body["samples"]]
+    emit(samples, as_json, lambda s: sys.stdout.write(render(s)))
 
 
 @app.command()

@@ -40,6 +40,7 @@ class DaemonConfig:
     admin_groups: tuple[str, ...] = ()      # members may also evict (as root and the daemon's user may)
     fill_bandwidth: str = "0"               # bytes/s the fill may read; "0" = unlimited
     refill_on_change: bool = True           # refill a model whose checkpoint changed under it
+    metrics_file: str = ""                  # a Prometheus textfile per GPU ("{gpu}" in the path); "" = none
 
     @property
     def shared(self) -> bool:
@@ -200,6 +201,9 @@ def _check_daemon(d: DaemonConfig, path: str) -> None:
     if d.worker_python and not Path(d.worker_python).is_absolute():
         bad("worker_python", f"is {d.worker_python!r}, not an absolute path", "name the engine's interpreter, "
             "e.g. /opt/vllm/.venv/bin/python")
+    if d.metrics_file and (not Path(d.metrics_file).is_absolute() or "{gpu}" not in d.metrics_file):
+        bad("metrics_file", f"is {d.metrics_file!r}, not an absolute path naming {{gpu}}",
+            'each GPU\'s daemon writes its own file: e.g. "/var/lib/prometheus/node-exporter/fast-start-gpu{gpu}.prom"')
     if not Path(d.socket_dir).is_absolute():
         bad("socket_dir", f"is {d.socket_dir!r}, not an absolute path", "use an absolute path such as /run/fast-start")
     for key in ("allowed_groups", "admin_groups"):

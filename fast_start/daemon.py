@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import replace
 
-from . import __version__, fdstore, notify, protocol, trust, watch
+from . import __version__, fdstore, metrics, notify, protocol, trust, watch
 from . import config as configs
 from .cache import Cache, Entry, Limits
 from .errors import ConfigError, FastStartError
@@ -50,6 +50,7 @@ from .serve import Policy, Server
 from .transport import lock_path, socket_path, state_path
 
 log = logging.getLogger("fast_start.daemon")
+METRICS_S = 15.0     # how often `metrics_file` is rewritten
 FD_RESERVE = 64      # descriptors kept for the daemon itself: listener, epoll, workers, arenas
 
 
@@ -109,6 +110,7 @@ class Daemon:
                            on_process=self.watch_process, on_stale=lambda name, why: self.keeper.stale(name, why),
                            on_fill=lambda name: self.keeper.put("fill", name))
         self.cache.configured = tuple(m.name for m in self.models)
+        self.metrics_failing = False
         self.server = Server(self.cache, Policy.of(cfg.daemon), max_connections)
         self.watch = watch.Watch()
         self.keeper = Keeper(self)
@@ -203,6 +205,9 @@ class Daemon:
                 self.cache.add(entry)
                 log.info("cached %s rank %d: %s in %.1f s", m.name, manifest.fingerprint.rank,
                          configs.format_bytes(entry.nbytes), msg.seconds)
+                self.cache.metrics.inc("fast_start_fills_total", model=m.name)
+                self.cache.metrics.inc("fast_start_filled_bytes_total", entry.nbytes, model=m.name)
+                self.cache.metrics.set("fast_start_fill_seconds", msg.seconds, model=m.name)
 
     def report_progress(self, p: protocol.Progress, starting: bool) -> None:
         text = f"filling {p.model} rank {p.rank}: {p.done / 2**30:.2f} / {p.total / 2**30:.2f} GiB"
@@ -232,8 +237,8 @@ class Daemon:
             notify.status(f"verifying {st.model}, kept by systemd's fd store")
             model = self.model(st.model)
             try:
-                bad = [msg.bad for msg, _ in workers.get(self.cfg.python(model)).run(
-                    protocol.VerifyJob(st.model, st.manifest.to_dict(), {}), st.fds)][-1]
+                bad = [msg for msg, _ in workers.get(self.cfg.python(model)).run(
+                    protocol.VerifyJob(st.model, st.manifest.to_dict(), {}), st.fds)][-1].bad
             except FastStartError as e:
                 if self.stop.is_set():
                     raise
@@ -247,6 +252,7 @@ class Daemon:
             adopted.add(st.model)
             log.info("re-adopted %s rank %d (%s, %d tensors) from systemd's fd store", st.model,
                      st.manifest.fingerprint.rank, configs.format_bytes(entry.nbytes), len(st.manifest.tensors))
+            self.cache.metrics.inc("fast_start_readoptions_total", model=st.model)
         return adopted
 
     def adoptable(self, st: fdstore.Stored) -> tuple[str, str] | None:
@@ -319,12 +325,16 @@ class Daemon:
             if fd >= 0:
                 self.epoll.register(fd, select.EPOLLIN)
         interval = notify.watchdog_interval()
-        next_ping = time.monotonic()
+        next_ping = next_metrics = time.monotonic()
         while not self.stop.is_set():
             if interval and time.monotonic() >= next_ping:
                 notify.notify("WATCHDOG=1")
                 next_ping = time.monotonic() + interval
-            timeout = max(0.0, next_ping - time.monotonic()) if interval else 5.0
+            if self.cfg.daemon.metrics_file and time.monotonic() >= next_metrics:
+                self.write_metrics()
+                next_metrics = time.monotonic() + METRICS_S
+            deadlines = ([next_ping] if interval else []) + ([next_metrics] if self.cfg.daemon.metrics_file else [])
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else 5.0
             for fd, _ in self.epoll.poll(timeout):
                 try:
                     if fd == listener.fileno():
@@ -342,6 +352,18 @@ class Daemon:
                         self.cache.process_exited(fd)
                 except Exception:           # nothing an event does may stop the serving loop
                     log.exception("handling an event on fd %d failed", fd)
+
+    def write_metrics(self) -> None:
+        """The textfile for node_exporter (`metrics_file`, "{gpu}" = this GPU), replaced atomically."""
+        path = self.cfg.daemon.metrics_file.replace("{gpu}", str(self.gpu))
+        try:
+            metrics.write_file(path, metrics.render(self.cache.metric_samples()["samples"]))
+            self.metrics_failing = False
+        except OSError as e:
+            if not self.metrics_failing:        # once, not every METRICS_S
+                log.warning("cannot write the metrics file %s: %s (the unit needs a ReadWritePaths= drop-in for "
+                            "its folder)", path, e.strerror or e)
+            self.metrics_failing = True
 
     def accept(self, listener: socket.socket) -> None:
         while True:

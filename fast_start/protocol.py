@@ -136,6 +136,10 @@ class Evictions(Message):
     kind = "evictions"
 
 
+class Metrics(Message):
+    kind = "metrics"
+
+
 class Fill(Message):
     kind = "fill"
     model: str = ""               # "" fills every configured model that is not cached
@@ -235,10 +239,10 @@ class Verified(Message):                   # worker -> daemon
 
 
 KINDS = {c.kind: c for c in (
-    Hello, Status, Fingerprints, Acquire, Release, Evict, Evictions, Fill, Welcome, Report, Acquired, Miss, Error,
+    Hello, Status, Fingerprints, Acquire, Release, Evict, Evictions, Fill, Metrics, Welcome, Report, Acquired, Miss, Error,
     Progress, Filled, WorkerHello, CheckJob, Checked, FillJob, VerifyJob, Verified)}
 JOBS = ("check_job", "fill_job", "verify_job")
-REQUESTS = ("hello", "status", "fingerprints", "acquire", "release", "evict", "evictions", "fill")
+REQUESTS = ("hello", "status", "fingerprints", "acquire", "release", "evict", "evictions", "fill", "metrics")
 _TYPES = {"int": int, "str": str, "dict": dict, "list": list, "float": (int, float)}
 
 

@@ -62,6 +62,7 @@ class Server:
         peer = self.policy.role(creds)
         if peer is None:
             log.warning("refused connection from pid %d uid %d", creds.pid, creds.uid)
+            self.cache.metrics.inc("fast_start_refused_peers_total")
             return _refuse(conn, protocol.Error(f"uid {creds.uid} may not use this daemon",
                                                 "run as the daemon's user or list it in allowed_uids"))
         with self.lock:
@@ -75,6 +76,7 @@ class Server:
                 self.open[peer.uid] += 1
         if why:
             log.warning("refused connection from pid %d uid %d: %s", peer.pid, peer.uid, why)
+            self.cache.metrics.inc("fast_start_refused_peers_total")
             return _refuse(conn, protocol.Error(why, "close idle connections and retry"))
         threading.Thread(target=self.connection, args=(conn, peer), daemon=True).start()
 

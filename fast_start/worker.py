@@ -130,20 +130,40 @@ def verify(sock: socket.socket, job: protocol.VerifyJob, fds) -> None:
     use_device(device)
     cached = arena.tensors(manifest, fds, "zero_copy", torch.device(device))
     want = {e.name: e.checksum for e in manifest.tensors}
-    bad = [n for n, s in want.items() if arena.checksum(cached[n]) != s]
-    if job.spec and manifest.engine.get("engine") != "vllm":
+    disk = bool(job.spec) and manifest.engine.get("engine") != "vllm"
+    rank, size = manifest.fingerprint.rank, sum(e.nbytes for e in manifest.tensors)
+    progress = _Progress(sock, job.model, rank, size * (2 if disk else 1))    # the cache's bytes, then the disk's
+    bad = []
+    for e in manifest.tensors:
+        if arena.checksum(cached[e.name]) != e.checksum:
+            bad.append(e.name)
+        progress.add(e.nbytes)
+    if disk:
         spec = WeightSpec(**job.spec)
         ckpt = open_checkpoint(spec.path)
-        seen, done, total = set(), 0, sum(e.nbytes for e in manifest.tensors)
+        seen = set()
         with materialize.tensor_reader(ckpt) as read:
             for name, t in materialize.derive(ckpt, spec, read, device):
                 seen.add(name)
-                done += t.nbytes
                 if want.get(name) != arena.checksum(t) and name not in bad:
                     bad.append(name)
-                protocol.send(sock, protocol.Progress(job.model, spec.rank, done, total))
+                progress.add(t.nbytes)
         bad += [n for n in want if n not in seen and n not in bad]
     protocol.send(sock, protocol.Verified(job.model, bad))
+
+
+class _Progress:
+    """Progress reports of a job, at most ten a second (and the last one)."""
+
+    def __init__(self, sock: socket.socket, model: str, rank: int, total: int):
+        self.sock, self.model, self.rank, self.total = sock, model, rank, total
+        self.done, self.sent = 0, 0.0
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        if time.monotonic() - self.sent >= 0.1 or self.done >= self.total:
+            protocol.send(self.sock, protocol.Progress(self.model, self.rank, self.done, self.total))
+            self.sent = time.monotonic()
 
 
 def use_device(device: str) -> None:

@@ -203,3 +203,65 @@ def test_fill_refills_an_evicted_model_without_a_restart(tmp_path, small, daemon
     assert json.loads(cli("fill", "--gpu", 0, "--config", cfg, "--json").stdout) == {"filling": [], "cached": ["small"]}
     r = cli("fill", "--gpu", 0, "--model", "nope", "--config", cfg)
     assert r.exit_code == 1 and "model 'nope' is not configured for GPU 0" in r.stderr
+
+
+def test_verify_deep_streams_its_progress_over_the_cache_then_the_disk(tmp_path, small, daemons):
+    """The worker behind `verify --deep` reports progress (what the CLI's bar shows): the cached
+    bytes, then the same bytes derived from disk, tensor by tensor; the shard is never whole in RAM."""
+    import threading
+
+    from fast_start import protocol, watch
+    from fast_start.cli import ask
+    from fast_start.fill import Worker, worker_env
+    cfg, d = setup(tmp_path, small, daemons)
+    stored = fingerprint(fast_start.WeightSpec(str(small), engine_version="test"), open_checkpoint(small))
+    reply, fds = ask(str(tmp_path / "run"), 0, protocol.Acquire(stored.to_dict(), "zero_copy", watch.identity(small),
+                                                               manifest="json"), with_fds=True)
+    size = sum(t["nbytes"] for t in reply.manifest["tensors"])
+    try:
+        with Worker(sys.executable, worker_env(1), threading.Event()) as worker:
+            spec = fast_start.WeightSpec(str(small), engine_version="test")
+            got = [msg for msg, _ in worker.run(protocol.VerifyJob(reply.model, reply.manifest, spec._asdict()), fds)]
+    finally:
+        for fd in fds:
+            os.close(fd)
+    progress = [m for m in got if isinstance(m, protocol.Progress)]
+    assert isinstance(got[-1], protocol.Verified) and got[-1].bad == []
+    assert progress and progress[-1].done == progress[-1].total == 2 * size
+    assert all(a.done <= b.done for a, b in zip(progress, progress[1:]))
+
+
+def test_metrics_count_a_scripted_sequence_and_parse_as_prometheus_text(tmp_path, small, daemons):
+    """fill, 3 hits, 1 miss, 1 evict: `fast-start metrics` and the daemon's textfile both parse
+    with prometheus_client's parser and count exactly that."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from probe import wait_until
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run",
+                       [{"name": "small", "path": str(small), "gpus": [0], "engine_version": "test"}],
+                       metrics_file=str(tmp_path / "fast-start-gpu{gpu}.prom"))
+    daemons(cfg)
+    spec = fast_start.WeightSpec(str(small), engine_version="test")
+    run = str(tmp_path / "run")
+    for mode in ("zero_copy", "copy", "copy"):
+        assert fast_start.fetch(spec, mode=mode, socket_dir=run, fallback=False).source == "cache"
+    assert fast_start.fetch(spec._replace(engine_version="other"), socket_dir=run).source == "disk"
+    assert cli("evict", "--gpu", 0, "--model", "small", "--config", cfg).exit_code == 0
+
+    def values(text):
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "gpu"))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+    r = cli("metrics", "--config", cfg)
+    assert r.exit_code == 0
+    got = values(r.stdout)
+    assert got[("fast_start_fills_total", (("model", "small"),))] == 1
+    assert got[("fast_start_cache_hits_total", (("mode", "zero_copy"), ("model", "small")))] == 1
+    assert got[("fast_start_cache_hits_total", (("mode", "copy"), ("model", "small")))] == 2
+    assert got[("fast_start_cache_misses_total", (("reason", "fingerprint"),))] == 1
+    assert got[("fast_start_evictions_total", (("model", "small"), ("reason", "manual")))] == 1
+    assert got[("fast_start_filled_bytes_total", (("model", "small"),))] > 0
+    assert ("fast_start_cached_bytes", (("model", "small"),)) not in got       # evicted: no longer held
+    assert json.loads(cli("metrics", "--config", cfg, "--json").stdout)
+    prom = tmp_path / "fast-start-gpu0.prom"                  # rewritten every 15 s
+    wait_until(lambda: prom.exists() and "evictions_total{" in prom.read_text(), 40)
+    assert values(prom.read_text()) == got

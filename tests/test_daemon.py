@@ -294,3 +294,32 @@ def test_config_fields_name_only_fingerprint_fields_and_leave_vllms_quantization
     stored = Fingerprint("h", "Qwen3ForCausalLM", 1, 1, "bfloat16", "fp8", "c", "main", "", "vllm/2", 2,
                          vllm["engine_options"])
     assert stored.diff(stored._replace(**vllm)) == ()
+
+
+def test_the_log_has_a_line_per_lease_release_miss_engine_exit_and_eviction(tmp_path, small, daemons):
+    import re
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
+    d = daemons(cfg)
+    run = str(tmp_path / "run")
+    spec = fast_start.WeightSpec(str(small), engine_version="test")
+    w = fast_start.fetch(spec, socket_dir=run, fallback=False)
+    fast_start.client.release(w)
+    with pytest.raises(CacheMiss):
+        fast_start.fetch(spec._replace(engine_version="other"), socket_dir=run, fallback=False)
+    engine = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import fast_start
+        fast_start.fetch(fast_start.WeightSpec({str(small)!r}, engine_version="test"), socket_dir={run!r},
+                         fallback=False)""")], timeout=120)
+    assert engine.returncode == 0
+    with connect(d.socket, 5) as conn:
+        request(conn, protocol.Hello(protocol.VERSION))
+        request(conn, protocol.Evict("small"))
+    me = f"pid {os.getpid()} uid {os.getuid()}"
+    lines = [r"served small to " + me + r" \(zero_copy, lease (\d+)\)",
+             r"lease \1 on small released by " + me,
+             "miss for " + me + ": fingerprint differs; differing fields: engine_version",
+             r"pid \d+ \(uid \d+\) exited: lease\(s\) \d+ ended",
+             r"evicted small \(manual; 0\.\d\d GiB, 0 lease\(s\) held then\)"]
+    wait_until(lambda: "evicted small" in d.log.read_text(), 10)
+    text = d.log.read_text()
+    assert re.search(r"\n.*".join(lines), text, re.S), text
