@@ -18,19 +18,21 @@ model paths nor other users' leases.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import select
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from . import protocol, table, watch
 from .config import ModelConfig
 from .fingerprint import Fingerprint
 from .manifest import Manifest
-from .metrics import Metrics
+from .metrics import Metrics, write_file
 from .trust import Peer
 
 log = logging.getLogger("fast_start.daemon")
@@ -108,6 +110,7 @@ class Cache:
         self.pending: dict[str, dict] = {}             # configured but not cached: state and detail
         self.former: dict[str, tuple[Fingerprint, str]] = {}   # a pending model's evicted fingerprint, why
         self.evictions: collections.deque = collections.deque(maxlen=MAX_EVICTIONS)
+        self.history: Path | None = None               # where the evictions are kept across restarts
         self.lock = threading.Lock()
         self.next_lease = 1
         self.metrics = Metrics(gpu)
@@ -343,6 +346,7 @@ class Cache:
             leases = sum(1 for l in self.leases.values() if l.model == name)
             self.evictions.append({"time": time.time(), "model": name, "reason": reason, "bytes": entry.nbytes,
                                    "leases": leases})
+        self._save_history()
         log.info("evicted %s (%s; %.2f GiB, %d lease(s) held then)", name, reason, entry.nbytes / 2**30, leases)
         self.metrics.inc("fast_start_evictions_total", model=name, reason=reason)
         self._retire(entry)
@@ -353,7 +357,36 @@ class Cache:
         with self.lock:
             self.evictions.append({"time": time.time(), "model": model, "reason": reason, "bytes": nbytes,
                                    "leases": 0})
+        self._save_history()
         self.metrics.inc("fast_start_evictions_total", model=model, reason=reason)
+
+    def keep_history(self, path: Path) -> None:
+        """Keep the eviction history (the last MAX_EVICTIONS) in `path`: read back now, rewritten
+        atomically at each eviction. An unreadable or damaged file is set aside with a warning."""
+        self.history = path
+        try:
+            saved = json.loads(path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            log.warning("cannot read the eviction history %s (%s); starting a new one", path, e)
+            return
+        keys = {"time", "model", "reason", "bytes", "leases"}
+        kept = [e for e in saved if isinstance(e, dict) and set(e) == keys] if isinstance(saved, list) else []
+        if len(kept) != (len(saved) if isinstance(saved, list) else -1):
+            log.warning("the eviction history %s has damaged entries; keeping the %d readable ones", path, len(kept))
+        with self.lock:
+            self.evictions.extendleft(reversed(kept[-MAX_EVICTIONS:]))
+
+    def _save_history(self) -> None:
+        if self.history is None:
+            return
+        with self.lock:
+            snapshot = list(self.evictions)
+        try:
+            write_file(self.history, json.dumps(snapshot))
+        except OSError as e:
+            log.warning("cannot write the eviction history %s: %s", self.history, e.strerror or e)
 
     def _retire(self, entry: Entry) -> None:
         self.on_evict(entry)

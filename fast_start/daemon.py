@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from . import __version__, fdstore, metrics, notify, protocol, trust, watch
 from . import config as configs
@@ -111,6 +112,8 @@ class Daemon:
                            on_fill=lambda name: self.keeper.put("fill", name))
         self.cache.configured = tuple(m.name for m in self.models)
         self.metrics_failing = False
+        if os.environ.get("STATE_DIRECTORY"):           # systemd's StateDirectory=: evictions survive restarts
+            self.cache.keep_history(Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / f"gpu{gpu}.evictions.json")
         self.server = Server(self.cache, Policy.of(cfg.daemon), max_connections)
         self.watch = watch.Watch()
         self.keeper = Keeper(self)

@@ -132,3 +132,25 @@ def test_a_memory_limit_the_worker_cannot_live_with_fails_the_start_in_one_line(
     assert "Traceback" not in log
     r = runner.invoke(app, ["status", "--config", str(cfg), "--json"])
     assert r.exit_code == 1 and json.loads(r.stdout)[0]["state"] == "failed"
+
+
+def test_the_eviction_history_survives_a_restart_in_the_state_directory(tmp_path, small, daemons):
+    """Under systemd's StateDirectory= ($STATE_DIRECTORY) the evictions outlive the process; a
+    damaged history file is named in the log and replaced, and the daemon starts all the same."""
+    state = tmp_path / "state"
+    state.mkdir()
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
+    env = {"STATE_DIRECTORY": str(state)}
+    d = daemons(cfg, env=env)
+    assert runner.invoke(app, ["evict", "--gpu", "0", "--model", "small", "--config", str(cfg)]).exit_code == 0
+    d.stop()
+    saved = json.loads((state / "gpu0.evictions.json").read_text())
+    assert [(e["model"], e["reason"]) for e in saved] == [("small", "manual")]
+    d = daemons(cfg, env=env)                                    # a new process: the history is back
+    assert evictions(d) == [("small", "manual")]
+    d.stop()
+    (state / "gpu0.evictions.json").write_text('[{"model": 1}, ')
+    d = daemons(cfg, env=env)
+    assert evictions(d) == [] and "cannot read the eviction history" in d.log.read_text()
+    assert runner.invoke(app, ["evict", "--gpu", "0", "--model", "small", "--config", str(cfg)]).exit_code == 0
+    assert [e["reason"] for e in json.loads((state / "gpu0.evictions.json").read_text())] == ["manual"]

@@ -373,3 +373,22 @@ def test_vllm_fills_its_own_model_under_the_shipped_unit(box):
         assert "llama-vllm is filled by" in log and "vllm 0." in log and "cached llama-vllm rank 0" in log
     finally:
         ready(box)
+
+
+def test_evictions_survive_a_restart_and_fill_refills_without_one(box):
+    """Under the shipped unit: the eviction history lives in StateDirectory= across a restart,
+    and `fast-start fill` brings an evicted model back while the unit keeps running."""
+    ready(box)
+    try:
+        box.run(FAST_START, "evict", "--gpu", "0", "--model", "llama")
+        pid = box.show("fast-start@0", "MainPID")
+        assert box.run(FAST_START, "status", check=False).returncode == 1          # configured, not cached
+        p = box.run(FAST_START, "fill", "--gpu", "0", "--model", "llama", "--wait", "240", timeout=300)
+        assert "filled llama" in p.stdout and box.show("fast-start@0", "MainPID") == pid
+        assert engine(box)["source"] == "cache"
+        box.run("systemctl", "restart", "fast-start@0", timeout=300)
+        history = json.loads(box.run(FAST_START, "evictions", "--json").stdout)[0]["evictions"]
+        assert [(e["model"], e["reason"]) for e in history] == [("llama", "manual")]
+        assert box.run("stat", "-c", "%a %U", "/var/lib/fast-start").stdout.split() == ["700", "fast-start"]
+    finally:
+        ready(box)
