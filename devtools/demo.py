@@ -90,7 +90,7 @@ def main() -> None:
     console.print(table)
     console.print(f"{disk['bytes'] / 2**30:.2f} GiB of weights: the cache fetch is "
                   f"{disk['fetch_s'] / cache['fetch_s']:.0f}x faster than the disk fetch "
-                  f"(both processes also pay {cache['import_s']:.1f} s to import torch).")
+                  f"(both processes also pay {cache['torch_s']:.1f} s to import torch).")
 
 
 if __name__ == "__main__":
