@@ -41,11 +41,16 @@ demo: $(VENV)/.installed
 test: $(VENV)/.engines system-deps
 	$(PY) -m pytest -q
 
-# The systemd tests boot a real systemd in a container (systemd-nspawn). As root, install it;
-# otherwise those tests skip and say why.
+# The systemd tests boot a real systemd in a container (systemd-nspawn), and one test runs the
+# control plane on Debian's own python3 with its python3-typer and python3-rich (what a Debian
+# package depends on). As root, install what is missing; otherwise those tests skip and say why.
 system-deps:
-	@if [ "$$(id -u)" = 0 ] && ! command -v systemd-nspawn >/dev/null 2>&1 && command -v apt-get >/dev/null; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd-container; \
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		missing=""; \
+		command -v systemd-nspawn >/dev/null 2>&1 || missing="systemd-container"; \
+		/usr/bin/python3 -c "import typer, rich" 2>/dev/null || missing="$$missing python3-typer python3-rich"; \
+		if [ -n "$$missing" ]; then apt-get update -qq && \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi; \
 	fi
 
 clean:

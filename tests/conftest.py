@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -63,8 +64,8 @@ def daemons(tmp_path):
     from devtools.harness import Daemon
     started = []
 
-    def start(config, gpu=0, env=None, wait=True, listen=None, rlimits=None):
-        d = Daemon(tmp_path, config, gpu, env, listen=listen, rlimits=rlimits)
+    def start(config, gpu=0, env=None, wait=True, listen=None, rlimits=None, python=sys.executable):
+        d = Daemon(tmp_path, config, gpu, env, listen=listen, rlimits=rlimits, python=python)
         started.append(d)
         return d.wait_ready() if wait else d
     yield start

@@ -112,3 +112,43 @@ def test_engine_version_auto_is_the_vllm_of_the_workers_environment(tmp_path, sm
     d = daemons(cfg, wait=False)
     assert d.proc.wait(60) == 2
     assert f"has engine_version = \"auto\", but {without} has no vLLM installed" in d.log.read_text()
+
+
+DEBIAN_PYTHON = "/usr/bin/python3"
+
+
+def _debian_stack() -> str | None:
+    """typer's and rich's versions under Debian's own python3 (python3-typer, python3-rich)."""
+    if not Path(DEBIAN_PYTHON).exists() or Path(sys.executable).resolve() == Path(DEBIAN_PYTHON).resolve():
+        return None
+    p = subprocess.run([DEBIAN_PYTHON, "-c", "import sys, typer, rich; from importlib.metadata import version; "
+                        "assert sys.version_info >= (3, 11) and 'torch' not in sys.modules; "
+                        "print(typer.__version__, version('rich'))"], capture_output=True, text=True)
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
+@pytest.mark.skipif(_debian_stack() is None, reason="needs Debian's python3 with python3-typer and python3-rich "
+                                                    "(make system-deps, as root, installs them)")
+def test_the_control_plane_runs_on_debians_python_typer_and_rich(tmp_path, small, daemons):
+    """What a Debian package runs: the daemon and the CLI on /usr/bin/python3 with Debian's typer
+    (0.7 on Debian 12) and rich, importing fast-start from the tree; the fill worker in a venv
+    with torch (`worker_python`); an engine fetching from that daemon."""
+    repo = str(Path(__file__).resolve().parent.parent)
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run",
+                       [{"name": "small", "path": str(small), "gpus": [0], "engine_version": "test"}],
+                       worker_python=sys.executable)
+    d = daemons(cfg, env={"PYTHONPATH": repo}, python=DEBIAN_PYTHON)
+    assert f"daemon for GPU 0 ({DEBIAN_PYTHON})" in d.log.read_text()
+
+    def cli(*args):
+        return subprocess.run([DEBIAN_PYTHON, "-m", "fast_start", *map(str, args)], capture_output=True, text=True,
+                              timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": repo})
+    p = cli("--json", "status", "--config", cfg)
+    assert p.returncode == 0 and json.loads(p.stdout)[0]["state"] == "ready"
+    p = cli("status", "--bogus", "--json")
+    assert p.returncode == 2 and json.loads(p.stdout)["exit_code"] == 2
+    assert cli("-h").returncode == 0 and cli("--version").stdout == f"fast-start {fast_start.__version__}\n"
+    w = fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"), socket_dir=str(tmp_path / "run"),
+                         fallback=False)
+    assert w.source == "cache"
+    assert 'fast_start_cache_hits_total{gpu="0",mode="zero_copy",model="small"} 1' in cli("metrics", "--config", cfg).stdout
