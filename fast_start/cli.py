@@ -348,6 +348,13 @@ def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpe
             os.close(fd)
 
 
+@app.command("example-config")
+def example_config():
+    """Print the example config (every key, commented): fast-start example-config > /etc/fast-start/fast-start.toml"""
+    from importlib.resources import files
+    sys.stdout.write((files("fast_start") / "example" / "fast-start.toml").read_text())
+
+
 @app.command("check-config")
 @fails
 def check_config(config: Path = CONFIG, as_json: bool = JSON):

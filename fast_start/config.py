@@ -102,7 +102,8 @@ def load(path: str | Path = DEFAULT_PATH, check_paths: bool = True) -> Config:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist",
-                          "create it (see etc/fast-start/fast-start.toml) or pass --config") from None
+                          f"create it from the example (fast-start example-config > {path}), then edit it; "
+                          "or pass --config") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file {path}: {e}", "check its permissions") from None
     except tomllib.TOMLDecodeError as e:

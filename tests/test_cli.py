@@ -265,3 +265,20 @@ def test_metrics_count_a_scripted_sequence_and_parse_as_prometheus_text(tmp_path
     prom = tmp_path / "fast-start-gpu0.prom"                  # rewritten every 15 s
     wait_until(lambda: prom.exists() and "evictions_total{" in prom.read_text(), 40)
     assert values(prom.read_text()) == got
+
+
+def test_example_config_ships_with_the_wheel_and_the_missing_config_error_names_it(tmp_path, small):
+    """A pip install has no source tree: the example config comes with the package, `fast-start
+    example-config` prints it, and the error for a missing config says how to make one from it."""
+    import zipfile
+    example = Path(__file__).resolve().parent.parent / "etc" / "fast-start" / "fast-start.toml"
+    r = cli("example-config")
+    assert r.exit_code == 0 and r.stdout == example.read_text()
+    r = cli("status", "--config", tmp_path / "missing.toml")
+    assert r.exit_code == 2 and f"fast-start example-config > {tmp_path / 'missing.toml'}" in r.stderr
+    repo = example.parent.parent.parent
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                        str(tmp_path / "wheel"), str(repo)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    names = zipfile.ZipFile(next((tmp_path / "wheel").glob("fast_start-*.whl"))).namelist()
+    assert "fast_start/example/fast-start.toml" in names and "fast_start/__main__.py" in names
