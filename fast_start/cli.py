@@ -265,13 +265,17 @@ def check_spec_options(model: Path, tp: int, rank: int, dtype: str, quantization
         raise ConfigError(f"fingerprint: --rank {rank} is outside the {ranks} rank(s) of --tp {tp} --pp {pp}",
                           f"use a rank from 0 to {ranks - 1}")
     if layout == "hf":          # vLLM's layout: vLLM judges its own TP sizes when it fills
-        from .headers import read_config, tp_constraints
-        dims = read_config(model)
-        bad = [what for what, ok in tp_constraints(dims, tp) if not ok]
-        if bad:
-            sizes = [t for t in range(1, dims.num_heads + 1) if all(ok for _, ok in tp_constraints(dims, t))]
-            raise ConfigError(f"fingerprint: --tp {tp} does not divide {', '.join(bad)} of {model}",
-                              f"use one of the TP sizes {sizes}")
+        _check_tp(model, tp, "fingerprint: --tp")
+
+
+def _check_tp(folder: Path, tp: int, name: str) -> None:
+    """ConfigError unless TP size `tp` fits the model in `folder` (layout hf), the option `name`d."""
+    from .headers import read_config, tp_sizes, tp_unfit
+    dims = read_config(folder)
+    bad = tp_unfit(dims, tp)
+    if bad:
+        raise ConfigError(f"{name} {tp} does not divide {', '.join(bad)} of {folder}",
+                          f"use one of the TP sizes {tp_sizes(dims)}")
 
 
 @app.command()
@@ -362,22 +366,17 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON):
     models need against its budget, and each worker interpreter. Exit 0 when all pass, 2 if not."""
     import subprocess
     from .daemon import device_memory
-    from .headers import read_config, tp_constraints
     from .worker import estimate
     cfg = configs.load(config)
     checks = [{"check": "config", "ok": True, "detail": f"{config}: {len(cfg.models)} model(s)"}]
     need: dict[int, int] = {}
     for m in cfg.models:
         try:
+            if m.layout == "hf":
+                _check_tp(Path(m.path), m.tensor_parallel_size, "tensor_parallel_size")
             for gpu in m.gpus:
                 spec = m.spec(gpu)
                 fingerprint(spec)           # config.json and every header, read as this user
-                if m.layout == "hf":
-                    bad = [what for what, ok in tp_constraints(read_config(Path(m.path)), spec.tensor_parallel_size)
-                           if not ok]
-                    if bad:
-                        raise ConfigError(f"tensor_parallel_size {spec.tensor_parallel_size} does not divide "
-                                          f"{', '.join(bad)}", "use a TP size the model's heads and widths allow")
                 need[gpu] = need.get(gpu, 0) + estimate(spec)
             checks.append({"check": f"model {m.name}", "ok": True, "detail": f"{m.path} readable by uid {os.geteuid()}"})
         except FastStartError as e:

@@ -239,9 +239,18 @@ def padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple if multiple else n
 
 
-def tp_constraints(d: ModelDims, t: int, vocab_padding: int = 0) -> list[tuple[str, bool]]:
-    """What a TP size `t` must divide in a model, each with whether it does (`shard.check_tp`; the
-    CLI checks `fingerprint --tp` with it, without torch)."""
+def tp_unfit(d: ModelDims, t: int, vocab_padding: int = 0) -> list[str]:
+    """What a TP size `t` does not divide in a model (empty: it fits); `shard.check_tp` and the
+    CLI's checks, without torch."""
+    return [what for what, ok in _tp_constraints(d, t, vocab_padding) if not ok]
+
+
+def tp_sizes(d: ModelDims, vocab_padding: int = 0) -> list[int]:
+    """Every TP size that fits the model."""
+    return [t for t in range(1, d.num_heads + 1) if not tp_unfit(d, t, vocab_padding)]
+
+
+def _tp_constraints(d: ModelDims, t: int, vocab_padding: int) -> list[tuple[str, bool]]:
     kv_ok = d.num_kv_heads % t == 0 or t % d.num_kv_heads == 0
     vocab = padded(d.vocab_size, vocab_padding)
     out = [(f"num_attention_heads ({d.num_heads})", d.num_heads % t == 0),

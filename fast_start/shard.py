@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .headers import ModelDims, padded, tp_constraints
+from .headers import ModelDims, padded, tp_sizes, tp_unfit
 from .errors import ShardError
 from .quant import BLOCK
 
@@ -132,10 +132,8 @@ def check_tp(dims: ModelDims, size: int, rank: int, vocab_padding: int = 0) -> T
     if size < 1 or not 0 <= rank < size:
         raise ShardError(f"rank {rank} is outside a tensor-parallel group of size {size}",
                          f"use a rank from 0 to {size - 1}" if size >= 1 else "use a TP size of 1 or more")
-    bad = [d for d, ok in tp_constraints(dims, size, vocab_padding) if not ok]
+    bad = tp_unfit(dims, size, vocab_padding)
     if bad:
-        valid = [t for t in range(1, dims.num_heads + 1)
-                 if all(ok for _, ok in tp_constraints(dims, t, vocab_padding))]
         raise ShardError(f"TP size {size} does not divide {', '.join(bad)} of {dims.architecture}",
-                         f"use one of the TP sizes {valid}")
+                         f"use one of the TP sizes {tp_sizes(dims, vocab_padding)}")
     return TP(rank, size, dims.num_kv_heads, dims.head_dim, vocab_padding)
