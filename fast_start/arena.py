@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import gc
 import mmap
+import _thread
 import os
 import warnings
 from typing import TYPE_CHECKING
@@ -76,38 +77,79 @@ def create(size: int, device: str, name: str):
     raise ArenaError(f"arena device {device!r} is unknown", 'use "cpu" or "cuda:N"')
 
 
-def map_readonly(fd: int, size: int, arena_device: str, device: torch.device) -> torch.Tensor:
+def map_readonly(fd: int, size: int, arena_device: str, device: torch.device, pending: list | None = None) -> torch.Tensor:
     """Map an arena fd read-only as a flat uint8 tensor on `device`; the fd may be closed afterwards.
 
     `arena_device` is where the arena lives ("cpu" or a GPU UUID); it must be `device` itself.
+    With a `pending` list a GPU map returns before its access is set and joins the list: views
+    can be made meanwhile, but nothing may read them before `ready(pending)`.
     """
     if arena_device == "cpu" and device.type == "cpu":
         return _map_memfd(fd, size)
     if device.type == "cuda":
         ordinal = device.index if device.index is not None else torch.cuda.current_device()
         if cudadrv.device_uuid(ordinal) == arena_device:
+            imported = Imported(fd, size, ordinal, readonly=True)
+            if pending is None:
+                imported.ready()
+            else:
+                pending.append(imported)
             # torch keeps a reference to the Imported object for as long as any view of the tensor lives.
-            return torch.as_tensor(Imported(fd, size, ordinal, readonly=True), device=f"cuda:{ordinal}")
+            return torch.as_tensor(imported, device=f"cuda:{ordinal}")
     raise ArenaError(f"arena on {arena_device} cannot be mapped on {device}",
                      "fetch on the device the daemon serves")
 
 
+def ready(pending: list[Imported]) -> None:
+    """Wait until every map in `pending` can be read; the first failure's ArenaError."""
+    errors = [e for e in (p.ready(raise_error=False) for p in pending) if e is not None]
+    if errors:
+        raise errors[0]
+
+
 class Imported:
     """An arena fd imported and mapped on a GPU by an engine (`cudadrv`: no cuda-bindings import
-    on the engine's start); unmapped when garbage-collected, i.e. when its last tensor view dies."""
+    on the engine's start); unmapped when garbage-collected, i.e. when its last tensor view dies.
+
+    Setting the access (the part of a map whose time grows with the size) runs on a thread of its
+    own, so the caller can make its views meanwhile; `ready()` waits for it.
+    """
 
     def __init__(self, fd: int, size: int, ordinal: int, readonly: bool):
         self.size, self.ordinal = size, ordinal
-        self.ptr = cudadrv.map_fd(fd, size, ordinal, readonly)
+        self.ptr = cudadrv.map_fd(fd, size, ordinal)
+        # The thread holds no reference to self: the last one could otherwise be dropped, and
+        # __del__ run, on the thread itself.
+        self.done, self.errors = _thread.allocate_lock(), []
+        self.done.acquire()
+        _thread.start_new_thread(_set_access, (self.ptr, size, ordinal, readonly, self.done, self.errors))
         self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (self.ptr, False),
                                          "version": 3}
+
+    def ready(self, raise_error: bool = True) -> ArenaError | None:
+        with self.done:
+            pass
+        if self.errors and raise_error:
+            raise self.errors[0]
+        return self.errors[0] if self.errors else None
 
     def __del__(self):
         if not getattr(self, "ptr", None) or not cudadrv.loaded():
             return
-        torch.cuda.synchronize(self.ordinal)    # no kernel may still read what we unmap
+        if self.ready(raise_error=False) is None:     # else no kernel could read it, nor wait on the GPU
+            torch.cuda.synchronize(self.ordinal)        # no kernel may still read what we unmap
         cudadrv.unmap(self.ptr, self.size)
         self.ptr = None
+
+
+def _set_access(ptr: int, size: int, ordinal: int, readonly: bool, done, errors: list) -> None:
+    try:
+        cudadrv.set_access(ptr, size, ordinal, readonly)
+    except Exception as e:     # whatever it is, the caller must not read the range
+        errors.append(e if isinstance(e, ArenaError) else ArenaError(f"cuMemSetAccess failed: {e!r}",
+                                                                     "check the GPU and its driver"))
+    finally:
+        done.release()
 
 
 def _map_memfd(fd: int, size: int) -> torch.Tensor:
@@ -129,17 +171,20 @@ def tensors(manifest: Manifest, fds: list[int], mode: str, device: torch.device)
     return from_table(table.encode(manifest), maps)
 
 
-def map_arenas(fds: list[int], arenas: list[tuple[int, str]], mode: str, device: torch.device) -> list[torch.Tensor]:
+def map_arenas(fds: list[int], arenas: list[tuple[int, str]], mode: str, device: torch.device,
+               pending: list | None = None) -> list[torch.Tensor]:
     """Each arena (size, device) from its fd as a flat uint8 tensor on `device`.
 
-    `zero_copy`: read-only maps. `copy`: one device copy of each arena into memory the caller
-    owns (one large copy runs at full bandwidth; per-tensor clones would not), the maps dropped
-    as soon as it is done.
+    `zero_copy`: read-only maps (with a `pending` list, not yet readable: see `map_readonly`).
+    `copy`: one device copy of each arena into memory the caller owns (one large copy runs at
+    full bandwidth; per-tensor clones would not), the maps dropped as soon as it is done.
     """
     if len(fds) != len(arenas):
         raise ArenaError(f"got {len(fds)} arena fds for {len(arenas)} arenas",
                          "ask the daemon again; the reply was incomplete")
-    maps = [map_readonly(fd, size, where, device) for fd, (size, where) in zip(fds, arenas)]
+    if mode == "copy":
+        pending = None
+    maps = [map_readonly(fd, size, where, device, pending) for fd, (size, where) in zip(fds, arenas)]
     if mode == "copy":
         maps = [m.clone() for m in maps]
     return maps

@@ -149,11 +149,15 @@ def _use(reply: protocol.Acquired, fds: list[int], want: Fingerprint, mode: str,
         except (KeyError, TypeError, ValueError) as e:
             raise ArenaError(f"the daemon's manifest is malformed ({e!r})",
                              "use a fast-start client of the daemon's version") from None
-        maps = arenas.map_arenas(fds, where, mode, device)
+        pending: list = []      # GPU maps whose access is still being set while the views are made
+        maps = arenas.map_arenas(fds, where, mode, device, pending)
     finally:
         for fd in fds:
             os.close(fd)
-    tensors = arenas.from_table(reply.attachment, maps)
+    try:
+        tensors = arenas.from_table(reply.attachment, maps)
+    finally:
+        arenas.ready(pending)
     bad = [a for a, t in aliases.items() if not isinstance(t, str) or t not in tensors or a in tensors]
     if bad:
         raise ArenaError(f"the daemon's manifest has invalid aliases {bad[:5]}", "evict and refill the model")

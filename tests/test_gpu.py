@@ -1,6 +1,7 @@
 """The CUDA device end to end (marker `gpu`; skipped without CUDA)."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -94,6 +95,31 @@ def test_copy_then_daemon_killed_leaves_engine_tensors_valid(tmp_path, llama, da
     disk = fast_start.fetch(spec, device="cuda:0", socket_dir=str(tmp_path / "none"))
     for name in disk:
         assert torch.equal(raw(w[name]), raw(disk[name])), name
+
+
+def test_views_made_while_access_is_set_read_the_arena_and_a_failed_access_is_raised():
+    """A map hands out its address before its access is set (`pending`); views made from it read
+    the arena once `ready` returns, and a driver error of the access step reaches the caller."""
+    from fast_start import arena, vmm
+    from fast_start.errors import ArenaError
+    data = torch.arange(1 << 20, dtype=torch.int32, device="cuda:0")
+    writer = vmm.VmmWriter(data.nbytes, 0, "deferred-access")
+    writer.write(0, data)
+    fd = writer.finish()
+    try:
+        pending: list = []
+        flat = arena.map_readonly(fd, writer.size, writer.device, torch.device("cuda:0"), pending)
+        assert len(pending) == 1
+        view = flat[:data.nbytes].view(torch.int32)
+        arena.ready(pending)
+        assert torch.equal(view, data)
+        bad = arena.Imported(fd, writer.size, torch.cuda.device_count() + 7, readonly=True)   # no such GPU
+        with pytest.raises(ArenaError, match="cuMemSetAccess"):
+            arena.ready([bad])
+        del bad
+        gc.collect()        # its unmap, which must not wait on a GPU that is not there, runs here
+    finally:
+        os.close(fd)
 
 
 def test_serving_daemon_holds_no_cuda_context(tmp_path, llama, daemons):
