@@ -216,7 +216,7 @@ class Cache:
                  f"; differing fields: {', '.join(miss.fields)}" if miss.fields else "")
         reason = "files" if "files" in miss.fields else "fingerprint" if miss.fields else \
             "evicted" if miss.reason.startswith("evicted") else "not_cached"
-        self.metrics.inc("fast_start_cache_misses_total", reason=reason)
+        self.metrics.inc("fast_start_cache_misses_total", model=miss.model or "", reason=reason)
         return miss
 
     def _files_miss(self, entry: Entry, theirs) -> protocol.Miss:

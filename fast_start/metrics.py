@@ -14,7 +14,8 @@ from pathlib import Path
 # name -> (type, help, label names)
 FAMILIES = {
     "fast_start_cache_hits_total": ("counter", "Fetches served from the cache.", ("gpu", "model", "mode")),
-    "fast_start_cache_misses_total": ("counter", "Fetches the cache could not serve, by reason.", ("gpu", "reason")),
+    "fast_start_cache_misses_total": ("counter", "Fetches the cache could not serve, by reason (model: the closest one "
+                                      "cached or configured, empty when there is none).", ("gpu", "model", "reason")),
     "fast_start_fills_total": ("counter", "Fills of a model into the cache.", ("gpu", "model")),
     "fast_start_filled_bytes_total": ("counter", "Bytes written into the cache by fills.", ("gpu", "model")),
     "fast_start_fill_seconds": ("gauge", "Duration of the model's last fill.", ("gpu", "model")),

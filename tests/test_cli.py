@@ -257,7 +257,7 @@ def test_metrics_count_a_scripted_sequence_and_parse_as_prometheus_text(tmp_path
     assert got[("fast_start_fills_total", (("model", "small"),))] == 1
     assert got[("fast_start_cache_hits_total", (("mode", "zero_copy"), ("model", "small")))] == 1
     assert got[("fast_start_cache_hits_total", (("mode", "copy"), ("model", "small")))] == 2
-    assert got[("fast_start_cache_misses_total", (("reason", "fingerprint"),))] == 1
+    assert got[("fast_start_cache_misses_total", (("model", "small"), ("reason", "fingerprint")))] == 1
     assert got[("fast_start_evictions_total", (("model", "small"), ("reason", "manual")))] == 1
     assert got[("fast_start_filled_bytes_total", (("model", "small"),))] > 0
     assert ("fast_start_cached_bytes", (("model", "small"),)) not in got       # evicted: no longer held
