@@ -13,10 +13,10 @@ read-only map of an fd as a flat uint8 tensor.
 """
 from __future__ import annotations
 
+import _thread
 import fcntl
 import gc
 import mmap
-import _thread
 import os
 import warnings
 from typing import TYPE_CHECKING

@@ -156,8 +156,11 @@ def _use(reply: protocol.Acquired, fds: list[int], want: Fingerprint, mode: str,
             os.close(fd)
     try:
         tensors = arenas.from_table(reply.attachment, maps)
-    finally:
-        arenas.ready(pending)
+    except BaseException:
+        for imported in pending:        # unmapped only once their access is set; the table's error is the one
+            imported.ready(raise_error=False)
+        raise
+    arenas.ready(pending)
     bad = [a for a, t in aliases.items() if not isinstance(t, str) or t not in tensors or a in tensors]
     if bad:
         raise ArenaError(f"the daemon's manifest has invalid aliases {bad[:5]}", "evict and refill the model")
