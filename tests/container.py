@@ -24,7 +24,6 @@ class RunEnv:
 
     def __init__(self, repo: Path):
         venv, base = Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()
-        self.repo, self.python = repo, sys.executable
         self.binds = {str(repo): str(repo)}
         if repo not in venv.parents:
             self.binds[str(venv)] = str(venv)        # the environment the tests run in
@@ -59,6 +58,7 @@ class Container:
             cg.mkdir(exist_ok=True)
         join = "; ".join(f"echo $$ > {cg}/cgroup.procs" for cg in self.cgroups)
         flag = "--bind-ro" if readonly else "--bind"
+        # overlays: host folders made writable inside, their changes thrown away with the container
         bind_args = " ".join([*(f"{flag}={src}:{dst}" for src, dst in binds.items()),
                               *(f"--overlay={path}::{path}" for path in overlays)])
         # nspawn makes sub-cgroups where it starts: a cgroup of our own keeps the host's clean.

@@ -7,17 +7,17 @@ then a purge that leaves nothing of the package behind. Needs root, systemd-nspa
 Debian build tools (`make system-deps` installs them)."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import fast_start
 from container import Container, RunEnv, available
-from test_systemd import ENGINE, journal, journal_since, now, readable, sums, wait_for
+from test_systemd import engine, journal, journal_since, now, readable, sums, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 VERSION = fast_start.__version__
@@ -77,7 +77,7 @@ def box(debs, tmp_path_factory, llama):
     conf = tmp / "conf"
     conf.mkdir()
     for name, bandwidth in (("normal.toml", "0"), ("crawl.toml", "1KB")):
-        (conf / name).write_text(CONFIG.format(python=env.python, bandwidth=bandwidth))
+        (conf / name).write_text(CONFIG.format(python=sys.executable, bandwidth=bandwidth))
     dropin = tmp / "dropin"
     dropin.mkdir()
     (dropin / "test.conf").write_text("[Service]\nRestartSec=1\n" + env.service_dropin)
@@ -96,11 +96,6 @@ def box(debs, tmp_path_factory, llama):
                                                          engine_version="test"), socket_dir="/nonexistent"))
     yield c
     c.close()
-
-
-def engine(c) -> dict:
-    out = c.run(RunEnv(REPO).python, "-c", ENGINE, "/srv/model", "2", "0", "strict", timeout=300).stdout
-    return json.loads(out)
 
 
 def installed_version(c) -> str:
