@@ -48,8 +48,9 @@ def profiled(out: str) -> None:
         def load_model(self, *a, **kw):
             profile = cProfile.Profile()
             result = profile.runcall(load, self, *a, **kw)
+            profile.dump_stats(out.removesuffix(".txt") + ".prof")     # for pstats' callers/callees
             text = io.StringIO()
-            pstats.Stats(profile, stream=text).strip_dirs().sort_stats("cumulative").print_stats(60)
+            pstats.Stats(profile, stream=text).strip_dirs().sort_stats("cumulative").print_stats(120)
             with open(out, "w") as f:
                 f.write(text.getvalue())
             return result

@@ -9,14 +9,18 @@
 1. asks the daemon for this rank's tensors (`fetch`, fingerprint from vLLM's own view: the
    checkpoint's headers, architecture, TP and PP size, global rank, dtype, quantization,
    revision, `vllm.__version__`, the KV-cache dtype and the kernel-selecting variables);
-2. on a hit, builds vLLM's model on the target device with every parameter's storage released
-   as it is registered (no weight memory is allocated, while the buffers vLLM computes at
-   construction are computed for real), and compares its kernel plan with the fill's;
+2. on a hit, builds vLLM's model without weight memory and compares its kernel plan with the
+   fill's: on `meta` where the fill found that the cache completes such a model (its manifest
+   then records the small attributes a meta build leaves without a value); otherwise on the
+   target device with every parameter's storage released as it is registered (vLLM computes its
+   buffers for real);
 3. installs the cached tensors: for stage "processed" (vLLM's state after
    `process_weights_after_loading`), every parameter and buffer, dropping what processing
    dropped, then runs vLLM's pre-processed pass (`weights_already_processed()`), mends the gaps
    that pass leaves (`mend_gaps`) and compares the attribute signature with the fill's; for stage
-   "loaded", vLLM's parameter objects are pointed at the cache and processing runs as usual;
+   "loaded", the parameters are pointed at the cache, the buffers copied from it, and processing
+   runs as usual. A model built on meta gets the recorded attributes and its reload record
+   mended (`complete`), and is refused if anything is still on meta (`check_complete`);
 4. on any miss (no daemon, a differing fingerprint, kernel plan or signature) releases the lease,
    logs one line naming the reason and loads with vLLM's default loader, or raises with
    `fallback: false`. A model is never half loaded: the default loader builds a new one.
@@ -85,7 +89,7 @@ def _loading(load_model, count: bool):
     def load(self, *args, **kwargs):
         ours = getattr(getattr(self, "load_config", None), "load_format", None) == LOAD_FORMAT
         if ours:
-            gc.freeze()     # see FastStartLoader.load_model
+            gc.freeze()     # see FastStartLoader._load_model
         result = load_model(self, *args, **kwargs)
         mapped = getattr(self.get_model(), "fast_start_mapped_bytes", 0) if ours and count else 0
         if mapped:
@@ -157,6 +161,17 @@ class FastStartLoader(BaseModelLoader):
             return 0
 
     def load_model(self, vllm_config, model_config, prefix: str = "") -> torch.nn.Module:
+        # The build makes tens of thousands of objects and no garbage: with the collector on, its
+        # collections of them cost about a tenth of the build.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._load_model(vllm_config, model_config, prefix)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _load_model(self, vllm_config, model_config, prefix: str) -> torch.nn.Module:
         o = self.options
         # vLLM times this call inside DeviceMemoryProfiler, whose gc.collect() calls scan the whole
         # startup heap: 0.3-0.5 s each with vLLM imported (623k objects), three of them. vLLM
@@ -167,14 +182,15 @@ class FastStartLoader(BaseModelLoader):
         # collection; this is for a runner it does not know.
         gc.freeze()
         device = _device(vllm_config)
-        weights, registered = None, _registrations(vllm_config)
+        weights, registered = None, vllm_state.registrations(vllm_config)
         clock = [time.perf_counter()]
         try:
             spec = weight_spec(model_config, vllm_config)
             weights = fetch(spec, device, o.mode, fallback=False, socket_dir=o.socket_dir,
                             connect_timeout=o.connect_timeout_s)
             clock.append(time.perf_counter())
-            model = build(vllm_config, model_config, prefix, device)
+            on_meta = weights.engine.get("attrs") is not None
+            model = build(vllm_config, model_config, prefix, device, on_meta)
             clock.append(time.perf_counter())
             prepare(model, weights, model_config, device)
             clock.append(time.perf_counter())
@@ -182,7 +198,7 @@ class FastStartLoader(BaseModelLoader):
             if weights is not None:
                 model = None        # drop the half-installed model (and its mappings) before the disk load
                 release(weights, o.connect_timeout_s)
-                _forget_layers(vllm_config, registered)
+                vllm_state.restore_registrations(vllm_config, registered)
             if not o.fallback:
                 raise
             fields = getattr(miss, "fields", ())
@@ -192,28 +208,14 @@ class FastStartLoader(BaseModelLoader):
         fetched, built, prepared = (1e3 * (b - a) for a, b in zip(clock, clock[1:]))
         nbytes = sum(t.nbytes for t in weights.tensors.values())
         log.info("fast-start: %d tensors (%.1f MiB, %s) for rank %d of %d from the cache (%s): fetch %.1f ms, "
-                 "model built %.1f ms, installed %.1f ms", len(weights),
+                 "model built on %s %.1f ms, installed %.1f ms", len(weights),
                  nbytes / 2**20, weights.engine.get("stage", "loaded"),
-                 spec.rank, spec.tensor_parallel_size * spec.pipeline_parallel_size, o.mode, fetched, built, prepared)
+                 spec.rank, spec.tensor_parallel_size * spec.pipeline_parallel_size, o.mode, fetched,
+                 "meta" if on_meta else "the device", built, prepared)
         model.fast_start_source = weights.source
         if o.mode == "zero_copy":       # read by _count_mapped_weights on vLLM < 0.32
             model.fast_start_mapped_bytes = nbytes
         return model.eval()
-
-
-def _registrations(vllm_config) -> tuple[set, list]:
-    """The layers vLLM has registered by name so far (attention and MoE layers register at construction)."""
-    c = vllm_config.compilation_config
-    return set(c.static_forward_context), list(getattr(c, "static_all_moe_layers", []))
-
-
-def _forget_layers(vllm_config, registered: tuple[set, list]) -> None:
-    """Unregister the layers of a model built and turned down, so the default loader can build it again."""
-    c = vllm_config.compilation_config
-    for name in set(c.static_forward_context) - registered[0]:
-        del c.static_forward_context[name]
-    if hasattr(c, "static_all_moe_layers"):
-        c.static_all_moe_layers[:] = registered[1]
 
 
 def weight_spec(model_config, vllm_config) -> WeightSpec:
@@ -223,6 +225,9 @@ def weight_spec(model_config, vllm_config) -> WeightSpec:
     parallel = vllm_config.parallel_config
     if getattr(parallel, "enable_expert_parallel", False):
         raise CacheMiss("expert parallelism is not cached", "run without --enable-expert-parallel")
+    if model_config.hf_overrides:
+        raise CacheMiss("--hf-overrides change the model but not the checkpoint the fingerprint reads",
+                        "serve it without --hf-overrides, or write the overrides into the checkpoint's config.json")
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     quantization = model_config.quantization or "none"
     try:
@@ -255,13 +260,18 @@ def _device(vllm_config) -> torch.device:
     return torch.device(load_device)
 
 
-def build(vllm_config, model_config, prefix: str, device: torch.device) -> torch.nn.Module:
-    """vLLM's model on `device` with every parameter's storage released: shapes without memory.
-
-    Building on `meta` instead would leave vLLM's computed buffers (rotary caches, attention
-    scales, placeholders held as plain attributes) on meta; this way vLLM computes them itself.
-    Each parameter's memory is freed as soon as it is registered, so the peak is one tensor.
-    """
+def build(vllm_config, model_config, prefix: str, device: torch.device, on_meta: bool) -> torch.nn.Module:
+    """vLLM's model without weight memory: on `meta` where the fill found that the cache completes
+    it (`prepare` then installs the cached buffers and the recorded attributes); otherwise on
+    `device` with every parameter's storage released as it is registered (vLLM computes its
+    buffers for real; the peak is one tensor)."""
+    if on_meta:
+        try:
+            with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
+                return vllm_utils.initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+        except Exception as e:      # noqa: BLE001 - whatever it is, the default loader can still load
+            raise CacheMiss(f"vLLM could not build the model on meta here as the fill did ({type(e).__name__}: {e})",
+                            "report this with your vLLM version; the default loader is used meanwhile") from None
     handle = register_module_parameter_registration_hook(_release_storage)
     try:
         with set_default_torch_dtype(model_config.dtype), device:
@@ -289,11 +299,14 @@ def prepare(model: torch.nn.Module, weights: Weights, model_config, device: torc
                             "fill with the engine's settings (engine_env, kv_cache_dtype, worker python, GPU)")
     if engine.get("stage", "loaded") == "loaded":
         install(model, weights)
+        complete(model, engine, device)
         with set_default_torch_dtype(model_config.dtype):
             vllm_utils.process_weights_after_loading(model, model_config, device)
+        check_complete(model, engine)
         return
     from vllm.model_executor.utils import weights_already_processed
     install_processed(model, weights, engine)
+    complete(model, engine, device)
     recorded = vllm_state.per_module(engine["signature"])
     told = _mark_processed_online_layers(model, recorded)
     try:
@@ -305,6 +318,7 @@ def prepare(model: torch.nn.Module, weights: Weights, model_config, device: torc
         for method in told:
             del method.supports_pre_processed_weights
     mend_gaps(model, recorded)
+    check_complete(model, engine)
     differs = vllm_state.differences(engine["signature"], vllm_state.signature(model))
     if differs:
         raise CacheMiss("vLLM's pre-processed pass left other state than the fill's processing: " + "; ".join(differs),
@@ -408,19 +422,88 @@ def _find_kernel(method, described: str):
 
 
 def install(model: torch.nn.Module, weights: Weights) -> None:
-    """Point every parameter of `model` at its tensor in `weights`; raises LoadError if any does not fit.
+    """Point every parameter of `model` at its tensor in `weights` and copy the cached buffers in;
+    raises LoadError if any does not fit.
 
-    vLLM's parameter objects are kept (`param.data = tensor`), with the attributes its weight
-    loaders and reload path rely on. Tied parameters are one object and get one tensor.
+    A parameter built on the device keeps its object (`param.data = tensor`), with the attributes
+    vLLM's weight loaders and reload path rely on; one built on meta (which cannot take a device
+    tensor as its data) is replaced by a Parameter of its class with its attributes, as vLLM's own
+    meta round trip does. Tied parameters are one object and get one tensor.
     """
     params = dict(model.named_parameters())
+    buffers = set(weights.engine.get("buffers", ()))
     wrong = [f"{n}: got {weights[n].dtype} {tuple(weights[n].shape)}, vLLM has {p.dtype} {tuple(p.shape)}"
              for n, p in params.items()
              if n in weights and (weights[n].shape != p.shape or weights[n].dtype != p.dtype)]
     missing = [n for n in params if n not in weights]
-    unexpected = [n for n in weights if n not in params]
+    unexpected = [n for n in weights if n not in params and n not in buffers]
     if missing or unexpected or wrong:
         raise fit_error(missing, unexpected, wrong, "build vLLM for the same model, TP size and dtype as the "
                         "daemon's [[model]] (layout = \"vllm\")")
+    replaced: dict[int, torch.nn.Parameter] = {}
     for name, param in params.items():
-        param.data = weights[name]
+        if not param.is_meta:
+            param.data = weights[name]
+            continue
+        new = torch.nn.Parameter(weights[name], requires_grad=param.requires_grad)
+        new.__class__, new.__dict__ = param.__class__, dict(param.__dict__)
+        replaced[id(param)] = new
+    modules = dict(model.named_modules())
+    for module in modules.values():
+        for key, param in module._parameters.items():
+            if param is not None and id(param) in replaced:
+                module._parameters[key] = replaced[id(param)]
+    for name in buffers & set(weights):
+        owner, _, leaf = name.rpartition(".")
+        modules[owner]._buffers[leaf] = weights[name].clone()
+
+
+def complete(model: torch.nn.Module, engine: dict, device: torch.device) -> None:
+    """What a model built on meta lacks besides its parameters and buffers: the attributes the
+    fill recorded by value, and what vLLM recorded of it for `reload_weights` (`_mend_reload_record`).
+    A no-op for a model built on the device."""
+    if engine.get("attrs") is None:
+        return
+    modules = dict(model.named_modules())
+    for name, record in engine["attrs"].items():
+        owner, _, key = name.rpartition(".")
+        if owner not in modules:
+            raise CacheMiss(f"the fill recorded attribute {name} of a module this engine's model lacks",
+                            "fill with the engine's vLLM, model, TP/PP size and dtype")
+        try:
+            setattr(modules[owner], key, vllm_state.made(record, device))
+        except (ValueError, TypeError, IndexError, RuntimeError) as e:
+            raise CacheMiss(f"the fill's record of attribute {name} is unusable ({e})",
+                            "evict the model (fast-start evict) so that it is filled again") from None
+    _mend_reload_record(model, device)
+
+
+def _mend_reload_record(model: torch.nn.Module, device: torch.device) -> None:
+    """vLLM records each layer's device and tensors (as meta tensors) as it builds a model, for
+    `reload_weights`. Built on meta, the device recorded is meta, and each non-persistent buffer
+    was left out as an alias of a parameter (every meta tensor's storage has address 0): the
+    device becomes the engine's and such buffers are recorded again, now that they are real."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import capture_layer_to_meta
+    except ImportError:       # a vLLM without layerwise reload
+        return
+    for module in model.modules():
+        info = LAYERWISE_INFO.get(module)
+        if info is None:
+            continue
+        info.restore_device = device
+        if module._non_persistent_buffers_set:
+            info.restore_metadata = (info.restore_metadata[0], capture_layer_to_meta(module)[1])
+
+
+def check_complete(model: torch.nn.Module, engine: dict) -> None:
+    """Raises CacheMiss where a model built on meta still holds a tensor or device on meta."""
+    if engine.get("attrs") is None:
+        return
+    left = [vllm_state.dotted(module, key) for module, key, _, value in vllm_state.held(model)
+            if vllm_state.is_meta(value)]
+    if left:
+        raise CacheMiss(f"the model built on meta still holds {len(left)} value(s) on meta after installing "
+                        f"the cache: {', '.join(left[:3])}", "report this with your vLLM version; the default "
+                        "loader is used meanwhile")

@@ -150,6 +150,7 @@ def _fill(spec: WeightSpec, want, config, device: str, stage: str, progress) -> 
         loader = DefaultModelLoader(config.load_config)
         loader.counter_before_loading_weights = time.perf_counter()
         loader.load_weights(model, model_config)
+        attrs = vllm_state.small_attrs(model)     # as the engine's model holds them before processing
         engine = {"engine": "vllm", "stage": stage, "plan": plan}
         if stage == "processed":
             with set_default_torch_dtype(model_config.dtype):
@@ -157,14 +158,18 @@ def _fill(spec: WeightSpec, want, config, device: str, stage: str, progress) -> 
             named = [*_params(model), *model.named_buffers()]
             engine.update(removed=sorted(built - {n for n, _ in model.named_parameters()}),
                           buffers=[n for n, _ in model.named_buffers()], signature=vllm_state.signature(model))
+            _meta_build(config, engine, {n for n, _ in named} | set(engine["removed"]), attrs)
             manifest, fds = export(want, named, device, engine, progress)
         else:
-            named = list(_params(model))
-            manifest, fds = export(want, named, device, engine, progress, keep=True)
-            loaded = {name: t.detach() for name, t in _unique(named)}   # processing may re-point a Parameter
+            params, buffers = list(_params(model)), list(model.named_buffers())
+            engine["buffers"] = [n for n, _ in buffers]
+            _meta_build(config, engine, {n for n, _ in [*params, *buffers]}, attrs)
+            manifest, fds = export(want, [*params, *buffers], device, engine, progress, keep=True)
+            loaded = {name: t.detach() for name, t in _unique(params)}   # processing may re-point a Parameter
             with set_default_torch_dtype(model_config.dtype):
                 loader_utils.process_weights_after_loading(model, model_config, target)
-            changed = [e.name for e in manifest.tensors if arenas.checksum(loaded[e.name]) != e.checksum]
+            changed = [e.name for e in manifest.tensors
+                       if e.name in loaded and arenas.checksum(loaded[e.name]) != e.checksum]
             if changed:
                 for fd in fds:
                     os.close(fd)
@@ -172,6 +177,36 @@ def _fill(spec: WeightSpec, want, config, device: str, stage: str, progress) -> 
                                      f"({', '.join(changed[:3])}); an engine could not run it over read-only "
                                      "cache memory", "use vLLM 0.30 or later, whose pre-processed pass skips it")
     return manifest, fds
+
+
+def _meta_build(config, engine: dict, exported: set[str], attrs: dict[str, list]) -> None:
+    """Whether an engine can build this model on the `meta` device and complete it from the cache:
+    builds it so here, with vLLM's registrations emptied meanwhile (as in a fresh engine process).
+    Where every tensor the build leaves on meta is an exported parameter or buffer or a small
+    attribute recorded by value, `engine["attrs"]` holds those attributes' values; otherwise
+    (vLLM cannot build it on meta, or leaves something else there) the engine builds on its
+    device as before."""
+    from vllm.model_executor.model_loader import utils as loader_utils
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    before = vllm_state.registrations(config)
+    vllm_state.restore_registrations(config, ({}, [], {}))
+    try:
+        with set_default_torch_dtype(config.model_config.dtype), torch.device("meta"):
+            trial = loader_utils.initialize_model(vllm_config=config, model_config=config.model_config)
+        need = {}
+        for module, key, kind, value in vllm_state.held(trial):
+            name = vllm_state.dotted(module, key)
+            if not vllm_state.is_meta(value) or (kind in ("param", "buffer") and name in exported):
+                continue
+            if kind != "attr" or name not in attrs:
+                return
+            need[name] = attrs[name]
+        engine["attrs"] = need
+    except Exception:      # noqa: BLE001 - vLLM cannot build this model on meta: the engine builds on its device
+        return
+    finally:
+        vllm_state.restore_registrations(config, before)
 
 
 def _params(model: torch.nn.Module):

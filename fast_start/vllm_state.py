@@ -15,6 +15,11 @@ and the plugin refuses the cache where the two differ:
 
 Both are stored grouped (`{"table": [description, ...], "modules": {name: index}}`), since most
 layers of a model describe alike.
+
+`held` lists every tensor a model holds (parameters, buffers, tensor attributes, tensors inside
+containers and kernel objects): the engine builds on the `meta` device where the fill found that
+all a meta build leaves without a value is in the cache (parameters, buffers) or recorded by
+value (`small_attrs`: scalar scales, empty placeholders).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import torch
 _MODULE_KEYS = frozenset(vars(torch.nn.Module()))       # torch's own bookkeeping on every module
 _NESTED = re.compile(r"(Kernel|Method|Experts)$")     # objects whose own state is recorded too
 _SCALARS = (bool, int, float, str, type(None))
+ATTR_LIMIT = 256      # elements of a tensor attribute recorded by value
 
 
 def describe(value) -> str:
@@ -110,3 +116,97 @@ def differences(cached: dict, own: dict, limit: int = 3) -> list[str]:
         if len(out) >= limit:
             break
     return out
+
+
+def held(model: torch.nn.Module):
+    """(module name, key, kind, value) for each tensor or torch.device a module holds; kind is
+    "param", "buffer", "attr" (directly in the module's attributes) or "nested" (in a list,
+    tuple or dict there, or in a quant method's or kernel's own attributes)."""
+    for name, module in model.named_modules():
+        for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
+            for key, t in table.items():
+                if t is not None:
+                    yield name, key, kind, t
+        for key, value in vars(module).items():
+            if key in _MODULE_KEYS or isinstance(value, _SCALARS):
+                continue
+            if isinstance(value, (torch.Tensor, torch.device)):
+                yield name, key, "attr", value
+            elif _container(value):
+                for inner in _inner(value, 2):
+                    yield name, key, "nested", inner
+
+
+def _container(value) -> bool:
+    return isinstance(value, (list, tuple, dict)) or (
+        not isinstance(value, torch.nn.Module) and hasattr(value, "__dict__") and _NESTED.search(type(value).__name__))
+
+
+def _inner(value, depth: int):
+    if isinstance(value, (torch.Tensor, torch.device)):
+        yield value
+    elif depth and _container(value):
+        for v in (value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple))
+                  else vars(value).values()):
+            if not isinstance(v, _SCALARS):
+                yield from _inner(v, depth - 1)
+
+
+def is_meta(value) -> bool:
+    return value.is_meta if isinstance(value, torch.Tensor) else value.type == "meta"
+
+
+def dotted(module: str, key: str) -> str:
+    return f"{module}.{key}" if module else key
+
+
+def small_attrs(model: torch.nn.Module) -> dict[str, list]:
+    """Each module's tensor attributes of at most ATTR_LIMIT elements by value, as
+    `[dtype, shape, device type, values]`, and its torch.device attributes as `["device", type]`."""
+    out = {}
+    for name, key, kind, value in held(model):
+        if kind != "attr":
+            continue
+        if isinstance(value, torch.device):
+            out[dotted(name, key)] = ["device", value.type]
+        elif value.numel() <= ATTR_LIMIT:
+            out[dotted(name, key)] = [str(value.dtype).removeprefix("torch."), list(value.shape), value.device.type,
+                                      value.detach().cpu().reshape(-1).tolist()]
+    return out
+
+
+def made(record: list, device: torch.device):
+    """A value `small_attrs` recorded, on `device` where it was on an accelerator."""
+    where = torch.device("cpu") if record[-1 if record[0] == "device" else 2] == "cpu" else device
+    if record[0] == "device":
+        return where
+    dtype, shape, _, values = record
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    tensor = torch.tensor(values, dtype=getattr(torch, dtype), device="cpu").reshape(shape)
+    return tensor.to(where)
+
+
+def registrations(vllm_config) -> tuple:
+    """What vLLM registers process-wide as it builds a model: its named layers, its MoE layers
+    and the rotary embeddings it caches by their settings (one object shared by every layer)."""
+    c = vllm_config.compilation_config
+    return dict(c.static_forward_context), list(getattr(c, "static_all_moe_layers", [])), dict(_rope_cache())
+
+
+def restore_registrations(vllm_config, before: tuple) -> None:
+    """Back to what `registrations` returned: a model built since (and turned down) is forgotten,
+    so that the next build registers its layers afresh."""
+    c = vllm_config.compilation_config
+    c.static_forward_context.clear()
+    c.static_forward_context.update(before[0])
+    if hasattr(c, "static_all_moe_layers"):
+        c.static_all_moe_layers[:] = before[1]
+    rope = _rope_cache()
+    rope.clear()
+    rope.update(before[2])
+
+
+def _rope_cache() -> dict:
+    from vllm.model_executor.layers import rotary_embedding
+    return getattr(rotary_embedding, "_ROPE_DICT", {})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def fp8_reference(work, fp8_checkpoints):
 def run_engine(log: Path, model: Path, tp: int = 1, load_format: str = "auto", extra: dict | None = None,
                dtype: str = "bfloat16", ok: bool = True, env: dict | None = None, **more):
     """(report, log text) of one engine process; `ok=False` expects it to fail and returns (None, log).
-    `more`: `quantization`, `pp`."""
+    `more`: `quantization`, `pp`, `hf_overrides`."""
     out = log.with_suffix(".json")
     args = {"model": str(model), "tp": tp, "load_format": load_format, "extra": extra or {}, "dtype": dtype,
             "out": str(out), **more}
@@ -152,6 +153,8 @@ def assert_same_weights(got: dict, want: dict) -> None:
         assert g["rank"] == w["rank"]
         assert g["as_loaded"] == w["as_loaded"]     # name -> sha256 of the bytes, dtype, shape
         assert g["final"] == w["final"]             # after vLLM's post-processing, buffers included
+        assert g["attrs"] == w["attrs"]             # tensors held as plain attributes (scales, placeholders)
+        assert g["reload"] == w["reload"]           # what vLLM keeps for reload_weights: device and shapes
 
 
 @pytest.mark.parametrize("name,tp", CACHED, ids=[f"{n}-tp{t}" for n, t in CACHED])
@@ -167,7 +170,7 @@ def test_zero_copy_engine_gets_the_default_loaders_parameters_from_the_cache(wor
     for r in got["ranks"]:                  # every parameter vLLM loaded is the daemon's memory
         assert r["outside_arena"] == [] and len(r["as_loaded"]) > 10
     assert all(r["external_bytes"] > 0 for r in got["ranks"])  # vLLM is told what the mapping holds
-    assert "fast-start:" in log and "from the cache (zero_copy)" in log
+    assert "from the cache (zero_copy)" in log and "model built on meta" in log
 
 
 def test_copy_mode_loads_from_the_cache_and_the_daemon_receives_the_release(work, checkpoints, reference,
@@ -198,6 +201,15 @@ def test_fallback_false_raises_the_miss_naming_the_differing_field(tmp_path, che
     _, log = run_engine(tmp_path / "strict.log", checkpoints["llama"], 1, "fast_start",
                         {"socket_dir": str(stale_cache), "fallback": False}, ok=False)
     assert "CacheMiss" in log and "engine_version" in log
+
+
+def test_hf_overrides_are_a_miss_since_the_fingerprint_reads_the_checkpoint(tmp_path, checkpoints, stale_cache):
+    """An engine that overrides the model's config (here its rotary base) would get weights and
+    buffers made for the checkpoint's: it misses, naming the option."""
+    _, log = run_engine(tmp_path / "overrides.log", checkpoints["llama"], 1, "fast_start",
+                        {"socket_dir": str(stale_cache), "fallback": False}, ok=False,
+                        hf_overrides={"rope_theta": 20000.0})
+    assert "CacheMiss" in log and "--hf-overrides change the model" in log
 
 
 def test_openai_api_server_serves_from_the_cache(work, checkpoints, reference, cache):
@@ -296,31 +308,56 @@ def test_online_fp8_at_tp2_is_refused_when_the_config_loads(tmp_path, checkpoint
         configs.load(path)
 
 
-@pytest.mark.parametrize("variant,hit", [("other", False), ("gap", False), ("mended", True)])
+@pytest.mark.parametrize("variant,filled_with,hit", [("other", "plain", False), ("gap", "gap", False),
+                                                     ("mended", "mended", True), ("table", "table", True),
+                                                     ("table", "plain", False)])
 def test_kernel_plan_and_signature_decide_between_cache_and_default_loader(tmp_path, fp8_checkpoints, fp8_reference,
-                                                                           daemons, variant, hit):
+                                                                           daemons, variant, filled_with, hit):
     """"other": the engine chose another kernel than the fill (plan differs); "gap": processing set
     state that vLLM's pre-processed pass does not rebuild (signature differs); "mended": it set
-    the two attributes vLLM 0.30-0.33's pass is known to leave unset, which the plugin restores.
-    A miss falls back to the default loader (building the model anew: never half loaded) with a
-    line naming the difference."""
+    the two attributes vLLM 0.30-0.33's pass is known to leave unset, which the plugin restores;
+    "table": the kernel holds a tensor it computes as it is made, which a model built on meta
+    lacks: the fill sees that and the engine builds on its device, and where the fill did not see
+    it (filled with "plain") the engine's kernel plan shows it left on meta. A miss falls back to the default
+    loader (building the model anew: never half loaded) with a line naming the difference."""
     path = fp8_checkpoints["qwen3"]
     engine_env = {**PLUGINS, "FAST_START_TEST_FP8": variant}
     want = fp8_reference("qwen3", 1)     # the variants differ in Python-side state only, not in bytes
     run = tmp_path / "run"
     daemons(write_config(tmp_path / "fs.toml", run, [vllm_model("q", path, [0])]),
-            env={**PLUGINS, "FAST_START_TEST_FP8": "plain" if variant == "other" else variant})
+            env={**PLUGINS, "FAST_START_TEST_FP8": filled_with})
     got, log = run_engine(tmp_path / "fs.log", path, 1, "fast_start", {"socket_dir": str(run)}, env=engine_env)
     assert got["tokens"] == want["tokens"]
     assert [r["final"] for r in got["ranks"]] == [r["final"] for r in want["ranks"]]
     if hit:
         assert got["ranks"][0]["source"] == "cache"
+        assert f"model built on {'the device' if variant == 'table' else 'meta'}" in log
         return
     assert got["ranks"][0]["source"] is None and "loading with vLLM's default loader" in log
     if variant == "other":
         assert "this engine chose other kernels than the fill" in log and "OtherEmulatedFp8BlockKernel" in log
+    elif variant == "table":      # the kernel plan records the kernels' own tensors, device included
+        assert "quant_method.fp8_linear.table unset -> tensor float32 (1024,) meta" in log
     else:
         assert "pre-processed pass left other state" in log and "emulated_processed True -> unset" in log
+
+
+def test_a_model_built_on_meta_with_a_tensor_left_there_is_a_miss_naming_it():
+    """The last check of an engine that built on meta: anything still on meta after the cache was
+    installed (a tensor in a kernel object's list here) is a miss that names where it is held."""
+    from fast_start.errors import CacheMiss
+    from fast_start.vllm import check_complete
+
+    class Kernel:
+        def __init__(self, device):
+            self.tables = [torch.zeros(2, device=device)]
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model[0].quant_method = Kernel("cpu")
+    check_complete(model, {"attrs": {}})
+    model[0].quant_method = Kernel("meta")
+    check_complete(model, {})        # built on the device: nothing to check
+    with pytest.raises(CacheMiss, match=r"still holds 1 value\(s\) on meta after installing the cache: 0.quant_method"):
+        check_complete(model, {"attrs": {}})
 
 
 def test_pipeline_stages_are_filled_by_vllm_rank_by_rank(checkpoints, cache):
@@ -331,15 +368,25 @@ def test_pipeline_stages_are_filled_by_vllm_rank_by_rank(checkpoints, cache):
     from fast_start import vllm_rules
     path, run = checkpoints["llama"], cache
 
-    def fetch(pp: int, rank: int) -> dict:
+    def fetch(pp: int, rank: int) -> tuple[dict, dict]:
+        """(parameters, buffers) of one rank, each name -> tensor."""
         spec = fast_start.WeightSpec(str(path), 1, rank, layout="vllm", engine_version=vllm.__version__,
                                      pipeline_parallel_size=pp, engine_options=vllm_rules.engine_options(os.environ, "auto", pp))
         w = fast_start.fetch(spec, fallback=False, socket_dir=str(run))
-        return {n: w[n] for n in w}
-    first, last, whole = fetch(2, 0), fetch(2, 1), fetch(1, 0)
+        buffers = set(w.engine["buffers"])
+        return {n: w[n] for n in w if n not in buffers}, {n: w[n] for n in w if n in buffers}
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.dtype == b.dtype and a.view(-1).view(torch.uint8).equal(b.view(-1).view(torch.uint8))
+    (first, first_buffers), (last, last_buffers), (whole, whole_buffers) = fetch(2, 0), fetch(2, 1), fetch(1, 0)
     assert any(".layers.0." in n for n in first) and not any(".layers.1." in n for n in first)
     assert any(".layers.1." in n for n in last) and not any(".layers.0." in n for n in last)
     assert "model.embed_tokens.weight" in first and {"model.norm.weight", "lm_head.weight"} <= set(last)
     assert sorted([*first, *last]) == sorted(whole)
+    # Buffers: the rotary cache is one module that all layers share, named after a stage's first layer.
+    unlayered = {re.sub(r"layers\.\d+\.", "", n): t for n, t in whole_buffers.items()}
+    assert first_buffers and last_buffers
+    for n, t in [*first_buffers.items(), *last_buffers.items()]:
+        assert same(t, unlayered[re.sub(r"layers\.\d+\.", "", n)]), n
     for n, t in [*first.items(), *last.items()]:
-        assert t.dtype == whole[n].dtype and t.view(-1).view(torch.uint8).equal(whole[n].view(-1).view(torch.uint8)), n
+        assert same(t, whole[n]), n

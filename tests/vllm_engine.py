@@ -3,9 +3,10 @@
     python vllm_engine.py '{"model": PATH, "tp": 1, "load_format": "fast_start", "extra": {...}, "out": FILE}'
 
 Reports, per TP rank: a SHA-256 of every parameter as loaded (just before vLLM's
-`process_weights_after_loading`, recorded by wrapping it) and of every parameter and buffer after
-it; the parameters that, as loaded, lie outside every fast-start arena mapped into the process
-(their data pointers against the `memfd:fast-start:` mappings in /proc/self/maps); where the
+`process_weights_after_loading`, recorded by wrapping it) and of every parameter, buffer and
+tensor attribute after it; what vLLM recorded of each module for `reload_weights`; the
+parameters that, as loaded, lie outside every fast-start arena mapped into the process (their
+data pointers against the `memfd:fast-start:` mappings in /proc/self/maps); where the
 fast-start loader set it, `fast_start_source`; the external weight bytes the loader announces;
 and the greedy tokens for fixed prompts.
 """
@@ -65,6 +66,31 @@ _wrapped = record_as_loaded(loader_utils.process_weights_after_loading)
 loader_utils.process_weights_after_loading = base_loader.process_weights_after_loading = _wrapped
 
 
+def reload_record(model: torch.nn.Module) -> dict:
+    """What vLLM recorded of each module for `reload_weights`: its device and its tensors' shapes."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    out = {}
+    for name, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module)
+        if info is not None:
+            params, buffers = info.restore_metadata
+            out[name] = [info.restore_device.type, *({k: f"{t.dtype}{tuple(t.shape)}" for k, t in sorted(group.items())}
+                                                     for group in (params, buffers))]
+    return out
+
+
+def tensor_attrs(model: torch.nn.Module) -> dict:
+    """Every tensor or device a module holds as a plain attribute (not a parameter or buffer)."""
+    out = {}
+    for name, module in model.named_modules():
+        for key, value in vars(module).items():
+            if isinstance(value, torch.Tensor):
+                out[f"{name}.{key}"] = digest(value)
+            elif isinstance(value, torch.device):
+                out[f"{name}.{key}"] = value.type
+    return out
+
+
 def report(config, model: torch.nn.Module) -> dict:
     from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
     rank = get_pp_group().rank_in_group * config.parallel_config.tensor_parallel_size + get_tensor_model_parallel_rank()
@@ -72,6 +98,7 @@ def report(config, model: torch.nn.Module) -> dict:
     final = {n: digest(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
     as_loaded, outside = AS_LOADED[id(model)]
     return {"rank": rank, "as_loaded": as_loaded, "final": final, "outside_arena": outside,
+            "attrs": tensor_attrs(model), "reload": reload_record(model),
             "source": getattr(model, "fast_start_source", None), "external_bytes": external}
 
 
@@ -83,7 +110,8 @@ def main() -> None:
     llm = LLM(args["model"], load_format=args.get("load_format", "auto"), tensor_parallel_size=args["tp"],
               pipeline_parallel_size=args.get("pp", 1), quantization=args.get("quantization"),
               model_loader_extra_config=args.get("extra") or {}, dtype=args.get("dtype", "bfloat16"),
-              skip_tokenizer_init=True, max_model_len=256, enforce_eager=True, seed=0)
+              skip_tokenizer_init=True, max_model_len=256, enforce_eager=True, seed=0,
+              hf_overrides=args.get("hf_overrides") or {})
     params = SamplingParams(temperature=0.0, max_tokens=12, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     ranks = sorted(llm.apply_model(functools.partial(report, llm.llm_engine.vllm_config)), key=lambda r: r["rank"])

@@ -7,7 +7,9 @@ fill worker load it alike. Never installed: tests put this folder on PYTHONPATH.
 - "other": the same kernel under another class name (an engine that chose another kernel);
 - "gap": processing also sets state that vLLM's pre-processed pass does not rebuild;
 - "mended": processing sets the two attributes vLLM 0.30-0.33's pre-processed pass leaves unset
-  (`logical_output_size` on the kernel, `deep_gemm_warmup_provider` on the layer).
+  (`logical_output_size` on the kernel, `deep_gemm_warmup_provider` on the layer);
+- "table": the kernel computes a lookup table as it is made, on the default device, and holds it
+  (a tensor that a model built on `meta` leaves on meta, and the cache does not hold).
 """
 import os
 
@@ -21,6 +23,11 @@ def register() -> None:
 
     class EmulatedFp8BlockKernel(Fp8BlockScaledMMLinearKernel):
         apply_input_quant = False
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if VARIANT == "table":
+                self.table = torch.arange(1024, dtype=torch.float32)
 
         @classmethod
         def is_supported(cls, compute_capability=None):
