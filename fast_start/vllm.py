@@ -431,12 +431,13 @@ def install(model: torch.nn.Module, weights: Weights) -> None:
     meta round trip does. Tied parameters are one object and get one tensor.
     """
     params = dict(model.named_parameters())
-    buffers = set(weights.engine.get("buffers", ()))
+    own_buffers = dict(model.named_buffers())
+    buffers = set(weights.engine.get("buffers", ())) & set(weights)
     wrong = [f"{n}: got {weights[n].dtype} {tuple(weights[n].shape)}, vLLM has {p.dtype} {tuple(p.shape)}"
-             for n, p in params.items()
+             for n, p in [*params.items(), *own_buffers.items()]
              if n in weights and (weights[n].shape != p.shape or weights[n].dtype != p.dtype)]
     missing = [n for n in params if n not in weights]
-    unexpected = [n for n in weights if n not in params and n not in buffers]
+    unexpected = [n for n in weights if n not in params and n not in (buffers & set(own_buffers))]
     if missing or unexpected or wrong:
         raise fit_error(missing, unexpected, wrong, "build vLLM for the same model, TP size and dtype as the "
                         "daemon's [[model]] (layout = \"vllm\")")
@@ -453,7 +454,7 @@ def install(model: torch.nn.Module, weights: Weights) -> None:
         for key, param in module._parameters.items():
             if param is not None and id(param) in replaced:
                 module._parameters[key] = replaced[id(param)]
-    for name in buffers & set(weights):
+    for name in buffers:
         owner, _, leaf = name.rpartition(".")
         modules[owner]._buffers[leaf] = weights[name].clone()
 
