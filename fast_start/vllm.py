@@ -432,12 +432,12 @@ def install(model: torch.nn.Module, weights: Weights) -> None:
     """
     params = dict(model.named_parameters())
     own_buffers = dict(model.named_buffers())
-    buffers = set(weights.engine.get("buffers", ())) & set(weights)
+    buffers = set(weights.engine.get("buffers", ())) & set(weights) & own_buffers.keys()
     wrong = [f"{n}: got {weights[n].dtype} {tuple(weights[n].shape)}, vLLM has {p.dtype} {tuple(p.shape)}"
              for n, p in [*params.items(), *own_buffers.items()]
              if n in weights and (weights[n].shape != p.shape or weights[n].dtype != p.dtype)]
     missing = [n for n in params if n not in weights]
-    unexpected = [n for n in weights if n not in params and n not in (buffers & set(own_buffers))]
+    unexpected = [n for n in weights if n not in params and n not in buffers]
     if missing or unexpected or wrong:
         raise fit_error(missing, unexpected, wrong, "build vLLM for the same model, TP size and dtype as the "
                         "daemon's [[model]] (layout = \"vllm\")")

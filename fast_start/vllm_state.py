@@ -177,14 +177,13 @@ def small_attrs(model: torch.nn.Module) -> dict[str, list]:
 
 def made(record: list, device: torch.device):
     """A value `small_attrs` recorded, on `device` where it was on an accelerator."""
-    where = torch.device("cpu") if record[-1 if record[0] == "device" else 2] == "cpu" else device
     if record[0] == "device":
-        return where
-    dtype, shape, _, values = record
+        return torch.device("cpu") if record[1] == "cpu" else device
+    dtype, shape, where, values = record
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
     tensor = torch.tensor(values, dtype=getattr(torch, dtype), device="cpu").reshape(shape)
-    return tensor.to(where)
+    return tensor if where == "cpu" else tensor.to(device)
 
 
 def registrations(vllm_config) -> tuple:
