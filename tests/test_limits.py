@@ -15,6 +15,7 @@ import subprocess
 import sys
 import termios
 import textwrap
+import threading
 import time
 
 import pytest
@@ -22,7 +23,8 @@ import pytest
 from probe import wait_until
 
 import fast_start
-from fast_start import protocol
+from fast_start import protocol, serve
+from fast_start.cache import Cache
 from fast_start.checkpoint import open_checkpoint
 from fast_start.transport import connect, request
 from fast_start.fingerprint import WeightSpec, fingerprint
@@ -102,7 +104,8 @@ def test_copy_leases_end_with_their_reply_and_do_not_pile_up(tmp_path, small, da
 
 HOLDERS = textwrap.dedent("""
     import os, sys
-    from fast_start import protocol
+    from fast_start import protocol, serve
+from fast_start.cache import Cache
     from fast_start.transport import connect, request
     from fast_start.checkpoint import open_checkpoint
     from fast_start.fingerprint import WeightSpec, fingerprint
@@ -213,7 +216,8 @@ def test_slow_and_silent_connections_are_cut_off(tmp_path, small, daemons):
 
 AS_NOBODY = textwrap.dedent("""
     import os, sys
-    from fast_start import protocol
+    from fast_start import protocol, serve
+from fast_start.cache import Cache
     from fast_start.transport import connect, request
     os.setgroups([]); os.setgid(65534); os.setuid(65534)
     with connect(sys.argv[1], 5) as conn:
@@ -247,3 +251,39 @@ def test_one_user_holds_at_most_64_connections_and_others_still_get_in(tmp_path,
         except fast_start.FastStartError:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+
+
+def test_connection_threads_wait_for_the_next_connection_and_spare_ones_end(monkeypatch):
+    """In process, over socket pairs: every connection is served, by a waiting thread where there is
+    one; threads left waiting end after WAIT_S, all but one, which serves the next connections."""
+    monkeypatch.setattr(serve, "WAIT_S", 0.3)
+    server = serve.Server(Cache(0, "cpu", "keep"), serve.Policy(), max_connections=100)
+
+    def threads() -> set[int]:
+        return {t.ident for t in threading.enumerate() if t.name == serve.THREAD_NAME and t.is_alive()}
+
+    def hello(client: socket.socket) -> None:
+        client.settimeout(10)
+        assert request(client, protocol.Hello(protocol.VERSION)).kind == "welcome"
+
+    wait_until(lambda: len(threads()) == 1, 10, "one thread waiting from the start")
+    clients = []
+    for _ in range(20):                       # all at once: the waiting thread takes one, 19 are started
+        ours, theirs = socket.socketpair()
+        server.admit(theirs)
+        clients.append(ours)
+    for client in clients:
+        hello(client)
+    assert len(threads()) == 20
+    for client in clients:
+        client.close()
+    wait_until(lambda: len(threads()) == 1 and server.waiting == 1, 10, "the spare threads ended")
+    (kept,) = threads()
+    for _ in range(10):                       # one after another: all served by the thread that waits
+        ours, theirs = socket.socketpair()
+        server.admit(theirs)
+        hello(ours)
+        ours.close()
+        wait_until(lambda: server.waiting == 1, 10, "the thread waiting again")
+        assert threads() == {kept}
+    assert server.open == {}
