@@ -18,7 +18,9 @@ import fcntl
 import gc
 import mmap
 import os
+import types
 import warnings
+from queue import SimpleQueue
 from typing import TYPE_CHECKING
 
 import torch
@@ -111,18 +113,19 @@ class Imported:
     """An arena fd imported and mapped on a GPU by an engine (`cudadrv`: no cuda-bindings import
     on the engine's start); unmapped when garbage-collected, i.e. when its last tensor view dies.
 
-    Setting the access (the part of a map whose time grows with the size) runs on a thread of its
-    own, so the caller can make its views meanwhile; `ready()` waits for it.
+    Setting the access (the part of a map whose time grows with the size) runs on the process's
+    access thread (`_access_jobs`), so the caller can make its views meanwhile; `ready()` waits
+    for it.
     """
 
     def __init__(self, fd: int, size: int, ordinal: int, readonly: bool):
         self.size, self.ordinal = size, ordinal
         self.ptr = cudadrv.map_fd(fd, size, ordinal)
-        # The thread holds no reference to self: the last one could otherwise be dropped, and
-        # __del__ run, on the thread itself.
+        # The job holds no reference to self: the last one could otherwise be dropped, and
+        # __del__ run, on the access thread itself.
         self.done, self.errors = _thread.allocate_lock(), []
         self.done.acquire()
-        _thread.start_new_thread(_set_access, (self.ptr, size, ordinal, readonly, self.done, self.errors))
+        _access_jobs().put((self.ptr, size, ordinal, readonly, self.done, self.errors))
         self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (self.ptr, False),
                                          "version": 3}
 
@@ -140,6 +143,44 @@ class Imported:
             torch.cuda.synchronize(self.ordinal)        # no kernel may still read what we unmap
         cudadrv.unmap(self.ptr, self.size)
         self.ptr = None
+
+
+_jobs: SimpleQueue | None = None
+
+
+def _access_jobs() -> SimpleQueue:
+    """The queue of the thread that sets maps' access, one per process, started on first use
+    (starting a thread took 0.1 ms of a fetch: `prepare` starts it while the daemon answers)."""
+    global _jobs
+    if _jobs is None:
+        jobs = SimpleQueue()
+        _thread.start_new_thread(_serve_access, (jobs,))
+        _jobs = jobs
+    return _jobs
+
+
+def _serve_access(jobs: SimpleQueue) -> None:
+    while True:
+        _set_access(*jobs.get())
+
+
+def prepare(device: torch.device) -> None:
+    """Do what a process's first map of arenas on `device` and first views of them would do, while
+    a fetch waits for the daemon's reply: start the access thread, and make a tensor from an array
+    interface, a dtype view, a strided view and an `unbind` of a tiny tensor (torch's first call of
+    each took 0.05-0.15 ms of a fetch on the H200). Nothing it makes is kept; a failure here is left
+    to the map itself to report."""
+    try:
+        probe = torch.empty(16, dtype=torch.uint8, device=device)
+        if device.type == "cuda":
+            _access_jobs()
+            probe = torch.as_tensor(types.SimpleNamespace(__cuda_array_interface__=probe.__cuda_array_interface__),
+                                    device=device)
+        probe = probe.view(torch.bfloat16)
+        with torch.inference_mode():
+            probe.as_strided((2, 2), (2, 1), 0).unbind(0)
+    except RuntimeError:
+        pass
 
 
 def _set_access(ptr: int, size: int, ordinal: int, readonly: bool, done, errors: list) -> None:
@@ -201,28 +242,37 @@ def from_table(data: bytes | bytearray, maps: list[torch.Tensor]) -> dict[str, t
     d, rows, names = table.parse(data)
     width = table.FIXED + 2 * d
     typed: dict[tuple[int, int], torch.Tensor] = {}
+    runs: list[tuple] = []          # (typed view, count, shape, stride, step, offset), in elements
+    first = 0                       # the run's first tensor, in `names`
+    for at in range(0, len(rows), width):
+        count, step, offset, nbytes, arena, code, ndim = rows[at:at + table.FIXED]
+        shape, stride = rows[at + table.FIXED:at + table.FIXED + ndim].tolist(), \
+            rows[at + table.FIXED + d:at + table.FIXED + d + ndim].tolist()
+        if not 0 <= code < len(table.ITEMSIZES):
+            raise ArenaError(f"tensor table entry {names[first]!r} has an unknown dtype",
+                             "use a fast-start client of the daemon's version")
+        itemsize = table.ITEMSIZES[code]
+        _check_run(names[first], offset, nbytes, arena, ndim, shape, stride, count, step, itemsize, d, maps)
+        if (arena, code) not in typed:
+            flat = maps[arena]
+            typed[arena, code] = flat[:flat.numel() // itemsize * itemsize].view(
+                dtypes.torch_dtype(dtypes.TABLE[code].name))
+        runs.append((typed[arena, code], count, shape, stride, step // itemsize, offset // itemsize))
+        first += count
     tensors: list[torch.Tensor] = []
     collecting = gc.isenabled()
     gc.disable()        # thousands of new tensors would start a full collection of the engine's heap
     try:
-        for at in range(0, len(rows), width):
-            count, step, offset, nbytes, arena, code, ndim = rows[at:at + table.FIXED]
-            shape, stride = rows[at + table.FIXED:at + table.FIXED + ndim].tolist(), \
-                rows[at + table.FIXED + d:at + table.FIXED + d + ndim].tolist()
-            if not 0 <= code < len(table.ITEMSIZES):
-                raise ArenaError(f"tensor table entry {names[len(tensors)]!r} has an unknown dtype",
-                                 "use a fast-start client of the daemon's version")
-            itemsize = table.ITEMSIZES[code]
-            _check_run(names[len(tensors)], offset, nbytes, arena, ndim, shape, stride, count, step, itemsize, d, maps)
-            if (arena, code) not in typed:
-                flat = maps[arena]
-                typed[arena, code] = flat[:flat.numel() // itemsize * itemsize].view(
-                    dtypes.torch_dtype(dtypes.TABLE[code].name))
-            view = typed[arena, code]
-            if count == 1:
-                tensors.append(view.as_strided(shape, stride, offset // itemsize))
-            else:
-                tensors.extend(view.as_strided((count, *shape), (step // itemsize, *stride), offset // itemsize).unbind(0))
+        # Strided views made in inference mode skip autograd's view tracking (about half of their
+        # cost); of a normal tensor they are normal tensors, which may become Parameters or (in
+        # copy mode) be written in place. The dtype views above are made outside it: one made in
+        # it would be an inference tensor, and so would every view of it.
+        with torch.inference_mode():
+            for view, count, shape, stride, step, offset in runs:
+                if count == 1:
+                    tensors.append(view.as_strided(shape, stride, offset))
+                else:
+                    tensors.extend(view.as_strided((count, *shape), (step, *stride), offset).unbind(0))
         out = dict(zip(names, tensors))
     finally:
         if collecting:

@@ -8,12 +8,18 @@ owns and the mappings are dropped (the daemon ends a copy's lease as it sends th
 A fetch from the cache is one request and one reply per daemon asked (`Acquire` names the
 protocol version and the device; `Acquired` carries the lease, the arena fds and the tensor
 table), and the tensors are built a run of equal shapes at a time (`arena.from_table`): a fresh
-engine process has its weights in milliseconds, however many tensors a rank has.
+engine process has its weights in milliseconds, however many tensors a rank has. Each side works
+while the other does: the engine connects before it reads the checkpoint's headers (the daemon
+admits the connection meanwhile), and readies its first map while the daemon answers
+(`arena.prepare`).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import socket
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fast_start")
 
 MODES = ("zero_copy", "copy")
+FRESH_S = 1.0       # a connection older than this when its request is ready is made anew (daemons cut idle ones)
 
 
 class Weights(Mapping):
@@ -71,35 +78,68 @@ def fetch(spec: WeightSpec, device: str | torch.device = "cpu", mode: str = "zer
     """
     if mode not in MODES:
         raise FastStartError(f"fetch mode {mode!r} is unknown", f"use one of {', '.join(MODES)}")
-    want = fingerprint(spec)
+    device = torch.device(device)
+    # The first daemon is connected to before the checkpoint is read: it admits the connection
+    # and readies a thread for it while this process hashes the headers.
     directory = _socket_dir(socket_dir)
+    daemons = _daemons(directory, device, connect_timeout)
+    first = next(daemons, None)
     try:
-        return _from_cache(want, watch.identity(spec.path), torch.device(device), mode, directory, connect_timeout)
-    except FastStartError as miss:
-        fields = getattr(miss, "fields", ())
-        if not fallback:
-            raise CacheMiss(miss.what, miss.fix, fields) from None
-        log.warning("fast-start: cache miss for %s rank %d (%s%s); loading from disk", spec.path, spec.rank,
-                    miss.what, f"; differing fields: {', '.join(fields)}" if fields else "")
+        want, files = fingerprint(spec), watch.identity(spec.path)     # a checkpoint error is the caller's
+        try:
+            if first is None:
+                raise CacheMiss(f"no fast-start daemon socket in {directory}",
+                                "start the daemon (systemctl start fast-start@N) or pass socket_dir")
+            return _from_cache(want, files, device, mode, directory, itertools.chain([first], daemons),
+                               connect_timeout)
+        except FastStartError as miss:
+            fields = getattr(miss, "fields", ())
+            if not fallback:
+                raise CacheMiss(miss.what, miss.fix, fields) from None
+            log.warning("fast-start: cache miss for %s rank %d (%s%s); loading from disk", spec.path, spec.rank,
+                        miss.what, f"; differing fields: {', '.join(fields)}" if fields else "")
+    finally:
+        if first is not None and first[1] is not None:
+            first[1].close()        # used or not (closing twice is harmless)
     from .materialize import load_from_disk     # safetensors and the pipeline: the disk path only
     tensors, aliases, fp = load_from_disk(spec, device)
     return Weights(tensors, aliases, "disk", fp)
 
 
+_Daemon = tuple[Path, "socket.socket | None", float, tuple]    # path, connection, when made, or why not
+
+
+def _daemons(directory: Path, device: torch.device, timeout: float) -> Iterator[_Daemon]:
+    """A connection to each daemon socket in `directory`, this GPU's first, made as it is asked
+    for: (path, connection, time.monotonic() when made, ()), or (path, None, 0.0, (reason, fix, ()))."""
+    for path in _likely_first(_sockets(directory), device):
+        try:
+            conn = connect(path, timeout)
+        except FastStartError as e:
+            yield path, None, 0.0, (f"{path}: {e.what}", e.fix, ())
+            continue
+        except OSError as e:
+            yield path, None, 0.0, (f"{path}: {e.strerror or e}", "check that the daemon runs", ())
+            continue
+        yield path, conn, time.monotonic(), ()
+
+
 def _from_cache(want: Fingerprint, files: watch.Identity, device: torch.device, mode: str, directory: Path,
-                timeout: float) -> Weights:
+                daemons: Iterator[_Daemon], timeout: float) -> Weights:
     """One round trip per daemon asked: `Acquire` names the protocol and the device, and the reply
     carries the lease, the fds and the tensor table."""
-    sockets = _sockets(directory)
-    if not sockets:
-        raise CacheMiss(f"no fast-start daemon socket in {directory}",
-                        "start the daemon (systemctl start fast-start@N) or pass socket_dir")
     ask = protocol.Acquire(want.to_dict(), mode, files, protocol.VERSION, _device_id(device))
     misses = []    # (reason, fix, differing fields)
-    for path in _likely_first(sockets, device):
+    for path, conn, opened, miss in daemons:
+        if conn is None:
+            misses.append(miss)
+            continue
         try:
-            with connect(path, timeout) as conn:
-                reply, fds = request(conn, ask, with_fds=True)
+            if time.monotonic() - opened > FRESH_S:        # slow storage: the daemon may have closed it
+                conn.close()
+                conn = connect(path, timeout)
+            with conn:
+                reply, fds = request(conn, ask, with_fds=True, meanwhile=lambda: arenas.prepare(device))
         except FastStartError as e:
             misses.append((f"{path}: {e.what}", e.fix, ()))
             continue

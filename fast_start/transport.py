@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from . import protocol, trust
@@ -61,8 +62,9 @@ def connect(path: Path, timeout: float) -> socket.socket:
     return conn
 
 
-def request(conn: socket.socket, msg, with_fds: bool = False):
+def request(conn: socket.socket, msg, with_fds: bool = False, meanwhile: Callable[[], None] | None = None):
     """Send one request and return its reply (and fds when asked for); daemon errors raise.
+    `meanwhile` runs between the two, while the daemon works on the reply.
 
     A daemon that refuses a peer says why and closes at once, so the request may fail to send
     (EPIPE): the refusal is then still waiting to be read, and is what this raises.
@@ -74,6 +76,8 @@ def request(conn: socket.socket, msg, with_fds: bool = False):
         if isinstance(reply, protocol.Error):
             raise FastStartError(reply.what, reply.fix) from None
         raise
+    if meanwhile is not None:
+        meanwhile()
     reply, fds = protocol.recv(conn, accept_fds=with_fds)
     if reply is None:
         raise protocol.ProtocolError("the daemon closed the connection", "see the daemon's log")

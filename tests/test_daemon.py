@@ -94,6 +94,26 @@ def test_different_checkpoint_is_a_miss_on_the_checkpoint_field(tmp_path, llama,
     assert "checkpoint" in err.value.fields
 
 
+def test_a_fetch_whose_checkpoint_reads_are_slow_asks_on_a_new_connection(tmp_path, small, daemons, monkeypatch):
+    """fetch connects to the daemon before it reads the checkpoint's headers (the daemon admits the
+    connection meanwhile); when those reads took longer than FRESH_S (slow storage) it asks on a
+    connection made anew, since the daemon cuts connections that stay idle."""
+    from fast_start import client
+    daemons(write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)]))
+    opened, connect_at = [], client.connect
+    monkeypatch.setattr(client, "connect", lambda *a: opened.append(time.monotonic()) or connect_at(*a))
+    hashed = client.fingerprint
+    monkeypatch.setattr(client, "fingerprint", lambda spec: time.sleep(client.FRESH_S + 0.5) or hashed(spec))
+    w = fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"), socket_dir=str(tmp_path / "run"),
+                         fallback=False)
+    assert w.source == "cache" and len(opened) == 2 and opened[1] - opened[0] > client.FRESH_S
+    monkeypatch.setattr(client, "fingerprint", hashed)
+    opened.clear()
+    assert fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"), socket_dir=str(tmp_path / "run"),
+                            fallback=False).source == "cache"
+    assert len(opened) == 1
+
+
 def test_no_daemon_falls_back_and_fallback_false_raises(tmp_path, small):
     spec = fast_start.WeightSpec(str(small))
     assert fast_start.fetch(spec, socket_dir=str(tmp_path)).source == "disk"

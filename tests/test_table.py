@@ -60,6 +60,22 @@ def test_tensors_of_a_shape_are_one_run_and_come_back_bit_for_bit(fp):
         assert torch.equal(got[e.name].view(torch.int16), want.view(torch.int16))
 
 
+def test_table_tensors_are_normal_tensors_an_engine_may_make_parameters_of_and_write(fp):
+    """Views are made in inference mode (cheaper); they must still behave as ordinary tensors."""
+    m = manifest_of(moe_outputs(layers=1, experts=2), fp)
+    arena = torch.zeros(m.arenas[0].size, dtype=torch.uint8)          # a copy-mode arena: the engine's own
+    got = from_table(table.encode(m), [arena])
+    assert not any(t.is_inference() for t in got.values())
+    name = "model.layers.0.mlp.experts.1.up_proj.weight"
+    weight = torch.nn.Parameter(got[name], requires_grad=False)
+    weight.add_(1)
+    norm = got["model.layers.0.input_layernorm.weight"]
+    norm.mul_(0).add_(2)
+    assert weight.data_ptr() == got[name].data_ptr() and got[name].eq(1).all() and norm.eq(2).all()
+    assert int(arena.sum()) > 0         # written through to the arena
+    assert torch.nn.Parameter(got[name].clone()).requires_grad     # trainable where an engine wants it
+
+
 def test_strided_entries_that_share_bytes_keep_their_strides(fp):
     """vLLM's transposed FP8 weights: views with strides, two of them over one storage."""
     entries = (TensorEntry("w", "float8_e4m3fn", (8, 4), 0, 0, 32, "", (1, 8)),
