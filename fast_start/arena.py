@@ -125,7 +125,12 @@ class Imported:
         # __del__ run, on the access thread itself.
         self.done, self.errors = _thread.allocate_lock(), []
         self.done.acquire()
-        _access_jobs().put((self.ptr, size, ordinal, readonly, self.done, self.errors))
+        started = _thread.allocate_lock()
+        started.acquire()
+        _access_jobs().put((self.ptr, size, ordinal, readonly, self.done, self.errors, started))
+        # Wait until the access thread is about to enter the driver call: it needs the GIL to get
+        # there, and the views this thread makes next would hold the GIL until they are all made.
+        started.acquire()
         self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (self.ptr, False),
                                          "version": 3}
 
@@ -161,7 +166,9 @@ def _access_jobs() -> SimpleQueue:
 
 def _serve_access(jobs: SimpleQueue) -> None:
     while True:
-        _set_access(*jobs.get())
+        ptr, size, ordinal, readonly, done, errors, started = jobs.get()
+        started.release()
+        _set_access(ptr, size, ordinal, readonly, done, errors)
 
 
 def prepare(device: torch.device) -> None:
