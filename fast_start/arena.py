@@ -153,6 +153,14 @@ class Imported:
 _jobs: SimpleQueue | None = None
 
 
+def _forget_access_thread() -> None:
+    global _jobs
+    _jobs = None            # a forked child has no access thread: its first map starts its own
+
+
+os.register_at_fork(after_in_child=_forget_access_thread)
+
+
 def _access_jobs() -> SimpleQueue:
     """The queue of the thread that sets maps' access, one per process, started on first use
     (starting a thread took 0.1 ms of a fetch: `prepare` starts it while the daemon answers)."""
@@ -175,8 +183,7 @@ def prepare(device: torch.device) -> None:
     """Do what a process's first map of arenas on `device` and first views of them would do, while
     a fetch waits for the daemon's reply: start the access thread, and make a tensor from an array
     interface, a dtype view, a strided view and an `unbind` of a tiny tensor (torch's first call of
-    each took 0.05-0.15 ms of a fetch on the H200). Nothing it makes is kept; a failure here is left
-    to the map itself to report."""
+    each took 0.05-0.15 ms of a fetch on the H200). Nothing it makes is kept."""
     try:
         probe = torch.empty(16, dtype=torch.uint8, device=device)
         if device.type == "cuda":
@@ -186,7 +193,7 @@ def prepare(device: torch.device) -> None:
         probe = probe.view(torch.bfloat16)
         with torch.inference_mode():
             probe.as_strided((2, 2), (2, 1), 0).unbind(0)
-    except RuntimeError:
+    except Exception:       # a warm-up only: whatever failed here, the map itself does again and reports
         pass
 
 

@@ -129,3 +129,28 @@ def test_checksum_catches_a_flipped_bit_and_ignores_alignment():
     assert checksum(t) != checksum(flipped)
     unaligned = torch.cat([torch.zeros(1, dtype=torch.bfloat16), t])[1:]   # data_ptr % 8 == 2
     assert checksum(unaligned) == checksum(t)
+
+
+ACCESS_JOBS = textwrap.dedent("""
+    import os, _thread
+    from fast_start import arena
+
+    def job():          # what Imported hands the access thread; no GPU here, or none at address 0
+        done, started, errors = _thread.allocate_lock(), _thread.allocate_lock(), []
+        done.acquire()
+        started.acquire()
+        arena._access_jobs().put((0, 1 << 21, 0, True, done, errors, started))
+        assert started.acquire(timeout=10) and done.acquire(timeout=10), "the access thread did not answer"
+        return type(errors[0]).__name__ if errors else "no error"
+
+    print(job(), job())
+    pid = os.fork()
+    if pid == 0:        # threads do not survive a fork: the child must start its own
+        os._exit(0 if arena._jobs is None and job() == "ArenaError" else 1)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+""")
+
+
+def test_the_access_thread_reports_each_jobs_error_and_a_forked_child_starts_its_own():
+    out = subprocess.run([sys.executable, "-c", ACCESS_JOBS], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["ArenaError", "ArenaError", "0"], out.stdout + out.stderr
