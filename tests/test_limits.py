@@ -104,8 +104,7 @@ def test_copy_leases_end_with_their_reply_and_do_not_pile_up(tmp_path, small, da
 
 HOLDERS = textwrap.dedent("""
     import os, sys
-    from fast_start import protocol, serve
-from fast_start.cache import Cache
+    from fast_start import protocol
     from fast_start.transport import connect, request
     from fast_start.checkpoint import open_checkpoint
     from fast_start.fingerprint import WeightSpec, fingerprint
@@ -216,8 +215,7 @@ def test_slow_and_silent_connections_are_cut_off(tmp_path, small, daemons):
 
 AS_NOBODY = textwrap.dedent("""
     import os, sys
-    from fast_start import protocol, serve
-from fast_start.cache import Cache
+    from fast_start import protocol
     from fast_start.transport import connect, request
     os.setgroups([]); os.setgid(65534); os.setuid(65534)
     with connect(sys.argv[1], 5) as conn:
