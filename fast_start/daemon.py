@@ -323,6 +323,7 @@ class Daemon:
 
     # -- serving -------------------------------------------------------------------------------
     def serve(self, listener: socket.socket, wake: int) -> None:
+        self.server.start()
         self.epoll = select.epoll()
         for fd in (listener.fileno(), wake, self.watch.fd):
             if fd >= 0:

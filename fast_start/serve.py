@@ -62,7 +62,12 @@ class Server:
         self.open: collections.Counter[int] = collections.Counter()     # uid -> open connections
         self.lock = threading.Lock()
         self.handoff: queue.SimpleQueue = queue.SimpleQueue()           # admitted (conn, peer) for waiting threads
-        self.waiting = 1            # threads waiting on `handoff`: each takes one connection or ends
+        self.waiting = 0            # threads waiting on `handoff`: each takes one connection or ends
+
+    def start(self) -> None:
+        """Start the thread that waits for the first connection (as serving begins)."""
+        with self.lock:
+            self.waiting += 1
         threading.Thread(target=self.serve_connections, name=THREAD_NAME, daemon=True).start()
 
     def admit(self, conn: socket.socket) -> None:

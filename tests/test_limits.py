@@ -254,11 +254,18 @@ def test_one_user_holds_at_most_64_connections_and_others_still_get_in(tmp_path,
 def test_connection_threads_wait_for_the_next_connection_and_spare_ones_end(monkeypatch):
     """In process, over socket pairs: every connection is served, by a waiting thread where there is
     one; threads left waiting end after WAIT_S, all but one, which serves the next connections."""
-    monkeypatch.setattr(serve, "WAIT_S", 0.3)
-    server = serve.Server(Cache(0, "cpu", "keep"), serve.Policy(), max_connections=100)
+    def all_threads() -> set[int]:
+        return {t.ident for t in threading.enumerate() if t.name == serve.THREAD_NAME and t.is_alive()}
+
+    others = all_threads()          # of servers that earlier tests in this process started, if any
 
     def threads() -> set[int]:
-        return {t.ident for t in threading.enumerate() if t.name == serve.THREAD_NAME and t.is_alive()}
+        return all_threads() - others
+
+    monkeypatch.setattr(serve, "WAIT_S", 0.3)
+    server = serve.Server(Cache(0, "cpu", "keep"), serve.Policy(), max_connections=100)
+    assert threads() == set()               # none before serving begins
+    server.start()
 
     def hello(client: socket.socket) -> None:
         client.settimeout(10)
