@@ -65,10 +65,11 @@ class Server:
         self.waiting = 0            # threads waiting on `handoff`: each takes one connection or ends
 
     def start(self) -> None:
-        """Start the thread that waits for the first connection (as serving begins)."""
+        """Start the thread that waits for the first connection (as serving begins). It is counted
+        once it runs: a connection admitted before that gets a thread of its own."""
+        threading.Thread(target=self.serve_connections, name=THREAD_NAME, daemon=True).start()
         with self.lock:
             self.waiting += 1
-        threading.Thread(target=self.serve_connections, name=THREAD_NAME, daemon=True).start()
 
     def admit(self, conn: socket.socket) -> None:
         """A freshly accepted connection: refuse it with a reason, or serve it in a thread."""
