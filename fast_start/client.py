@@ -115,13 +115,17 @@ def _daemons(directory: Path, device: torch.device, timeout: float) -> Iterator[
     for path in _likely_first(_sockets(directory), device):
         try:
             conn = connect(path, timeout)
-        except FastStartError as e:
-            yield path, None, 0.0, (f"{path}: {e.what}", e.fix, ())
-            continue
-        except OSError as e:
-            yield path, None, 0.0, (f"{path}: {e.strerror or e}", "check that the daemon runs", ())
+        except (FastStartError, OSError) as e:
+            yield path, None, 0.0, _unreachable(path, e)
             continue
         yield path, conn, time.monotonic(), ()
+
+
+def _unreachable(path: Path, e: FastStartError | OSError) -> tuple:
+    """A miss (reason, fix, no fields) for a daemon that could not be connected to or asked."""
+    if isinstance(e, FastStartError):
+        return f"{path}: {e.what}", e.fix, ()
+    return f"{path}: {e.strerror or e}", "check that the daemon runs", ()
 
 
 def _from_cache(want: Fingerprint, files: watch.Identity, device: torch.device, mode: str, directory: Path,
@@ -140,11 +144,8 @@ def _from_cache(want: Fingerprint, files: watch.Identity, device: torch.device, 
                 conn = connect(path, timeout)
             with conn:
                 reply, fds = request(conn, ask, with_fds=True, meanwhile=lambda: arenas.prepare(device))
-        except FastStartError as e:
-            misses.append((f"{path}: {e.what}", e.fix, ()))
-            continue
-        except OSError as e:
-            misses.append((f"{path}: {e.strerror or e}", "check that the daemon runs", ()))
+        except (FastStartError, OSError) as e:
+            misses.append(_unreachable(path, e))
             continue
         if isinstance(reply, protocol.Acquired):
             weights = _use(reply, fds, want, mode, device)
