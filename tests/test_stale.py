@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from probe import evictions, status, wait_until
-from scramble import scramble
+from scramble import scramble, swap_names_unseen
 
 import fast_start
 from fast_start import protocol, watch
@@ -146,6 +146,28 @@ def test_acquire_compares_the_files_and_marks_the_model_stale(tmp_path, small):
     assert "checkpoint changed since the fill (model.safetensors was rewritten (mtime changed))" in reply.reason
     assert stale == [("small", "model.safetensors was rewritten (mtime changed)")]
     cache.close()
+
+
+def test_a_header_rewritten_where_neither_identity_nor_watch_sees_it_is_a_miss(tmp_path, small, daemons):
+    """The window the identities leave: a rewrite that keeps size and mtime, made where the
+    daemon's inotify watch cannot see it (here through a hard link in another folder, as a change
+    on another NFS client would be). A changed header (k_proj and v_proj swapped) still changes
+    the fingerprint the engine sends: a miss on the checkpoint field, no lease, and the disk gives
+    the new tensors."""
+    d = daemons(write_config(tmp_path / "fs.toml", tmp_path / "run", [model(small)], refill_on_change=False))
+    run = str(tmp_path / "run")
+    old = fast_start.fetch(spec(small), socket_dir=run, mode="copy", fallback=False)
+    files = watch.identity(small)
+    swap_names_unseen(small / "model.safetensors", tmp_path / "elsewhere", b"self_attn.k_proj.weight",
+                      b"self_attn.v_proj.weight")
+    assert watch.identity(small) == files               # what the daemon compares is unchanged
+    with pytest.raises(CacheMiss, match="fingerprint differs") as miss:
+        fast_start.fetch(spec(small), socket_dir=run, fallback=False)
+    assert miss.value.fields == ("checkpoint",)
+    assert status(d)["leases"] == [] and status(d)["state"] == "ready"
+    disk = fast_start.fetch(spec(small), socket_dir=run)
+    name = "model.layers.0.self_attn.{}_proj.weight"
+    assert disk.source == "disk" and torch.equal(disk[name.format("k")], old[name.format("v")])
 
 
 def test_a_rewrite_that_keeps_size_and_mtime_is_caught_by_the_watch(tmp_path, small, daemons):
