@@ -87,17 +87,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--exec", action="store_true",
                     help="with --fresh or --device cuda: each engine a new interpreter (python -c) instead of a "
                          "fork of a torch-only process; zero_copy and the IPC baseline only (each sample imports torch)")
-    ap.add_argument("--cases", help="with --fresh or --device cuda: a comma-separated subset of "
-                                    "dense-4GiB,dense-16GiB,dense-32GiB,moe-hf-9435 (default: all)")
+    ap.add_argument("--cases", help="with --fresh or --device cuda: a comma-separated subset of bench/gpu.py's "
+                                    "CASES (default: all)")
     args = ap.parse_args(argv)
     if args.device == "cuda" or args.fresh:
         from bench import gpu as bench_gpu
         bench_gpu.EXEC = args.exec
         if args.cases:
-            unknown = set(args.cases.split(",")) - set(bench_gpu.CASES)
+            chosen = set(args.cases.split(","))
+            unknown = sorted(chosen - set(bench_gpu.CASES))
             if unknown:
-                ap.error(f"unknown cases {sorted(unknown)}; choose from {', '.join(bench_gpu.CASES)}")
-            bench_gpu.CASES = {c: v for c, v in bench_gpu.CASES.items() if c in args.cases.split(",")}
+                ap.error(f"unknown cases {unknown}; choose from {', '.join(bench_gpu.CASES)}")
+            bench_gpu.CASES = {c: v for c, v in bench_gpu.CASES.items() if c in chosen}
         bench_gpu.main(Path(args.dir), Path(args.json), args.repeat, args.baseline and Path(args.baseline),
                        args.baseline_repeat, "cuda:0" if args.device == "cuda" else "cpu")
         return

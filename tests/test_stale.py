@@ -164,7 +164,8 @@ def test_a_header_rewritten_where_neither_identity_nor_watch_sees_it_is_a_miss(t
     with pytest.raises(CacheMiss, match="fingerprint differs") as miss:
         fast_start.fetch(spec(small), socket_dir=run, fallback=False)
     assert miss.value.fields == ("checkpoint",)
-    assert status(d)["leases"] == [] and status(d)["state"] == "ready"
+    s = status(d)
+    assert s["leases"] == [] and s["state"] == "ready"
     disk = fast_start.fetch(spec(small), socket_dir=run)
     name = "model.layers.0.self_attn.{}_proj.weight"
     assert disk.source == "disk" and torch.equal(disk[name.format("k")], old[name.format("v")])
