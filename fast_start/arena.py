@@ -20,6 +20,7 @@ import mmap
 import os
 import types
 import warnings
+from collections.abc import Iterator
 from queue import SimpleQueue
 from typing import TYPE_CHECKING
 
@@ -163,7 +164,7 @@ os.register_at_fork(after_in_child=_forget_access_thread)
 
 def _access_jobs() -> SimpleQueue:
     """The queue of the thread that sets maps' access, one per process, started on first use
-    (starting a thread took 0.1 ms of a fetch: `prepare` starts it while the daemon answers)."""
+    (starting a thread took 0.1 ms of a fetch: `warm_ups` starts it while the daemon answers)."""
     global _jobs
     if _jobs is None:
         jobs = SimpleQueue()
@@ -179,22 +180,29 @@ def _serve_access(jobs: SimpleQueue) -> None:
         _set_access(ptr, size, ordinal, readonly, done, errors)
 
 
-def prepare(device: torch.device) -> None:
-    """Do what a process's first map of arenas on `device` and first views of them would do, while
-    a fetch waits for the daemon's reply: start the access thread, and make a tensor from an array
-    interface, a dtype view, a strided view and an `unbind` of a tiny tensor (torch's first call of
-    each took 0.05-0.15 ms of a fetch on the H200). Nothing it makes is kept."""
+def warm_ups(device: torch.device) -> Iterator[None]:
+    """What a process's first map of arenas on `device` and first views of them would do, one step
+    per `next()`, for a fetch to run while the daemon answers: start the access thread, then make a
+    tensor from an array interface, a dtype view, a strided view and an `unbind` of a tiny tensor
+    (torch's first call of each took 0.05-0.15 ms of a fetch on the H200). A fetch stops when the
+    reply arrives: the map and the views then pay what is left after the access has begun, where it
+    overlaps the access instead of delaying it. Nothing it makes is kept."""
     try:
-        probe = torch.empty(16, dtype=torch.uint8, device=device)
         if device.type == "cuda":
             _access_jobs()
+            yield
+        probe = torch.empty(16, dtype=torch.uint8, device=device)
+        yield
+        if device.type == "cuda":
             probe = torch.as_tensor(types.SimpleNamespace(__cuda_array_interface__=probe.__cuda_array_interface__),
                                     device=device)
+            yield
         probe = probe.view(torch.bfloat16)
-        with torch.inference_mode():
+        yield
+        with torch.inference_mode():        # no step ends inside it: the caller's mode is never changed
             probe.as_strided((2, 2), (2, 1), 0).unbind(0)
     except Exception:       # a warm-up only: whatever failed here, the map itself does again and reports
-        pass
+        return
 
 
 def _set_access(ptr: int, size: int, ordinal: int, readonly: bool, done, errors: list) -> None:

@@ -10,8 +10,8 @@ protocol version and the device; `Acquired` carries the lease, the arena fds and
 table), and the tensors are built a run of equal shapes at a time (`arena.from_table`): a fresh
 engine process has its weights in milliseconds, however many tensors a rank has. Each side works
 while the other does: the engine connects before it reads the checkpoint's headers (the daemon
-admits the connection meanwhile), and readies its first map while the daemon answers
-(`arena.prepare`).
+admits the connection meanwhile), and warms up its first map while the daemon answers, as far
+as the reply leaves time for (`arena.warm_ups`).
 """
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def _from_cache(want: Fingerprint, files: watch.Identity, device: torch.device, 
                 conn.close()
                 conn = connect(path, timeout)
             with conn:
-                reply, fds = request(conn, ask, with_fds=True, meanwhile=lambda: arenas.prepare(device))
+                reply, fds = request(conn, ask, with_fds=True, meanwhile=arenas.warm_ups(device))
         except (FastStartError, OSError) as e:
             misses.append(_unreachable(path, e))
             continue

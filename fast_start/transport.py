@@ -9,8 +9,9 @@ reads the reply. Stdlib only.
 from __future__ import annotations
 
 import os
+import select
 import socket
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 
 from . import protocol, trust
@@ -62,9 +63,10 @@ def connect(path: Path, timeout: float) -> socket.socket:
     return conn
 
 
-def request(conn: socket.socket, msg, with_fds: bool = False, meanwhile: Callable[[], None] | None = None):
+def request(conn: socket.socket, msg, with_fds: bool = False, meanwhile: Iterator | None = None):
     """Send one request and return its reply (and fds when asked for); daemon errors raise.
-    `meanwhile` runs between the two, while the daemon works on the reply.
+    `meanwhile` is advanced a step at a time while the daemon works on the reply, and left where
+    it is once the reply has arrived: its remaining steps are skipped, not waited for.
 
     A daemon that refuses a peer says why and closes at once, so the request may fail to send
     (EPIPE): the refusal is then still waiting to be read, and is what this raises.
@@ -77,7 +79,11 @@ def request(conn: socket.socket, msg, with_fds: bool = False, meanwhile: Callabl
             raise FastStartError(reply.what, reply.fix) from None
         raise
     if meanwhile is not None:
-        meanwhile()
+        arrived = select.poll()         # not select.select: an engine's fds may number above 1024
+        arrived.register(conn, select.POLLIN)
+        for _ in meanwhile:
+            if arrived.poll(0):
+                break
     reply, fds = protocol.recv(conn, accept_fds=with_fds)
     if reply is None:
         raise protocol.ProtocolError("the daemon closed the connection", "see the daemon's log")

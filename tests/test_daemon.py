@@ -4,10 +4,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -112,6 +115,38 @@ def test_a_fetch_whose_checkpoint_reads_are_slow_asks_on_a_new_connection(tmp_pa
     assert fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"), socket_dir=str(tmp_path / "run"),
                             fallback=False).source == "cache"
     assert len(opened) == 1
+
+
+def test_the_steps_meant_for_the_wait_stop_when_the_reply_arrives():
+    """`request(meanwhile=...)` advances its steps while the peer answers and skips the rest once
+    the reply is there: a warm-up never delays the map it warms up for. The peer is a thread on a
+    socket pair that answers at once, or only once the last step has run (`gate`)."""
+    ours, theirs = socket.socketpair()
+
+    def peer(gate):
+        protocol.recv(theirs)
+        if gate is not None:
+            gate.wait(10)
+        protocol.send(theirs, protocol.Welcome(protocol.VERSION, "cpu", 0, os.getpid()))
+
+    def steps(done, gate):
+        for i in range(5):
+            if gate is None and i == 0:
+                select.select([ours], [], [], 10)     # the reply is readable before step 0 ends
+            done.append(i)
+            if gate is not None and i == 4:
+                gate.set()
+            yield
+
+    with ours, theirs:
+        for gate, expected in ((None, [0]), (threading.Event(), [0, 1, 2, 3, 4]), (None, [])):
+            done = []
+            answering = threading.Thread(target=peer, args=(gate,))
+            answering.start()
+            meanwhile = steps(done, gate) if expected else iter(())
+            assert request(ours, protocol.Hello(protocol.VERSION), meanwhile=meanwhile).kind == "welcome"
+            answering.join()
+            assert done == expected
 
 
 def test_no_daemon_falls_back_and_fallback_false_raises(tmp_path, small):
