@@ -36,6 +36,7 @@ _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_
 _WRITE_STEP = 1 << 26
 _CHUNK = 1 << 28   # bytes per checksum step (a multiple of _BLOCK)
 _BLOCK = 4096
+_NAP_S, _NAPS = 2e-5, 500      # `Imported.ready` first waits in 500 naps of 20 us (see there)
 
 
 class MemfdWriter:
@@ -136,8 +137,16 @@ class Imported:
                                          "version": 3}
 
     def ready(self, raise_error: bool = True) -> ArenaError | None:
-        with self.done:
-            pass
+        # Naps first, not one sleep until the access thread is done: on the H200 machine a thread
+        # blocked for the rest of a 32 GiB access (0.5-1 ms) returned 23-300 us after it ended, one
+        # that naps 14-29 us (presumably its CPU idles less deeply). An access that takes longer than
+        # the naps (140 GB would take 4 ms) is waited for as before.
+        for _ in range(_NAPS):
+            if self.done.acquire(timeout=_NAP_S):
+                break
+        else:
+            self.done.acquire()
+        self.done.release()
         if self.errors and raise_error:
             raise self.errors[0]
         return self.errors[0] if self.errors else None

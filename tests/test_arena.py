@@ -154,3 +154,28 @@ ACCESS_JOBS = textwrap.dedent("""
 def test_the_access_thread_reports_each_jobs_error_and_a_forked_child_starts_its_own():
     out = subprocess.run([sys.executable, "-c", ACCESS_JOBS], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["ArenaError", "ArenaError", "0"], out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.001, 0.05])     # within its naps, and past them (500 naps take >= 10 ms)
+def test_ready_returns_only_once_the_access_is_done_and_reports_its_error(delay_s):
+    import _thread
+    import threading
+    import time
+    from fast_start.arena import Imported
+    from fast_start.errors import ArenaError
+    imported = object.__new__(Imported)     # what a map hands its access thread, without a GPU
+    imported.done, imported.errors = _thread.allocate_lock(), []
+    imported.done.acquire()
+    finished = []
+
+    def access():
+        time.sleep(delay_s)
+        imported.errors.append(ArenaError("cuMemSetAccess failed: CUDA driver error 1", "check the GPU"))
+        finished.append(True)
+        imported.done.release()
+
+    threading.Thread(target=access).start()
+    error = imported.ready(raise_error=False)
+    assert finished == [True] and isinstance(error, ArenaError)
+    with pytest.raises(ArenaError, match="cuMemSetAccess"):
+        imported.ready()                    # again: the lock is free, the error still there
