@@ -20,11 +20,12 @@ import collections
 import logging
 import os
 import queue
+import select
 import socket
 import threading
 from dataclasses import dataclass
 
-from . import protocol, trust
+from . import protocol, transport, trust
 from .cache import Cache
 from .config import DaemonConfig
 
@@ -138,6 +139,11 @@ class Server:
 
     def connection(self, conn: socket.socket, peer: trust.Peer) -> None:
         try:
+            # An engine's request follows its connection within a millisecond (it reads the
+            # checkpoint's headers meanwhile): it is watched for awake, at most `AWAKE_S`.
+            first = select.poll()
+            first.register(conn, select.POLLIN)
+            transport.stay_awake(first, transport.AWAKE_S)
             while True:
                 conn.settimeout(IDLE_S)
                 try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from . import protocol, trust
 from .errors import FastStartError
 
 DEFAULT_SOCKET_DIR = "/run/fast-start"
+AWAKE_S = 0.002     # how long a side watches awake for a message due within a millisecond (`stay_awake`)
 
 
 def socket_dir(explicit: str | os.PathLike | None = None) -> Path:
@@ -66,7 +68,8 @@ def connect(path: Path, timeout: float) -> socket.socket:
 def request(conn: socket.socket, msg, with_fds: bool = False, meanwhile: Iterator | None = None):
     """Send one request and return its reply (and fds when asked for); daemon errors raise.
     `meanwhile` is advanced a step at a time while the daemon works on the reply, and left where
-    it is once the reply has arrived: its remaining steps are skipped, not waited for.
+    it is once the reply has arrived: its remaining steps are skipped, not waited for. Once it is
+    done, the reply is watched for awake (`stay_awake`) before the read blocks.
 
     A daemon that refuses a peer says why and closes at once, so the request may fail to send
     (EPIPE): the refusal is then still waiting to be read, and is what this raises.
@@ -84,6 +87,8 @@ def request(conn: socket.socket, msg, with_fds: bool = False, meanwhile: Iterato
         for _ in meanwhile:
             if arrived.poll(0):
                 break
+        else:
+            stay_awake(arrived, AWAKE_S)
     reply, fds = protocol.recv(conn, accept_fds=with_fds)
     if reply is None:
         raise protocol.ProtocolError("the daemon closed the connection", "see the daemon's log")
@@ -92,3 +97,19 @@ def request(conn: socket.socket, msg, with_fds: bool = False, meanwhile: Iterato
             os.close(fd)
         raise FastStartError(reply.what, reply.fix)
     return (reply, fds) if with_fds else reply
+
+
+def stay_awake(ready: select.poll, seconds: float) -> bool:
+    """Poll `ready` without sleeping for up to `seconds`; whether it fired.
+
+    For a message due within a millisecond, where a thread that sleeps on it takes longer to see it
+    (presumably as its CPU idles more deeply): on the H200 machine an engine watching for the reply
+    and a daemon watching for the request this way made the reply's wait 80-110 us shorter (medians
+    of 10) and cut its tail. Each look releases the GIL; after `seconds` the caller's blocking read
+    waits as before.
+    """
+    end = time.monotonic() + seconds
+    while not ready.poll(0):
+        if time.monotonic() > end:
+            return False
+    return True

@@ -20,7 +20,7 @@ from probe import evictions, status, wait_until
 
 import fast_start
 from fast_start import protocol
-from fast_start.transport import connect, request
+from fast_start.transport import connect, request, stay_awake
 from fast_start.errors import CacheMiss
 from devtools.harness import write_config
 
@@ -149,6 +149,21 @@ def test_the_steps_meant_for_the_wait_stop_when_the_reply_arrives():
             assert done == expected
 
 
+def test_staying_awake_sees_a_message_that_arrives_and_gives_up_on_one_that_does_not():
+    """`stay_awake` polls without sleeping for a message due soon: it reports one that arrives in
+    its time and returns once that is up when none does (the caller's read then blocks as before)."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ready = select.poll()
+        ready.register(ours, select.POLLIN)
+        assert not stay_awake(ready, 0.005)
+        later = threading.Timer(0.001, theirs.send, args=(b"x",))
+        later.start()
+        assert stay_awake(ready, 10)
+        later.join()
+        assert ours.recv(1) == b"x"
+
+
 def test_no_daemon_falls_back_and_fallback_false_raises(tmp_path, small):
     spec = fast_start.WeightSpec(str(small))
     assert fast_start.fetch(spec, socket_dir=str(tmp_path)).source == "disk"
@@ -203,7 +218,7 @@ def test_evicting_a_mapped_model_leaves_the_engine_tensors_valid(tmp_path, small
 KILLED = textwrap.dedent("""
     import os, signal, socket, sys
     from fast_start import protocol
-    from fast_start.transport import connect, request
+    from fast_start.transport import connect, request, stay_awake
     from fast_start.fingerprint import WeightSpec, fingerprint
     from fast_start.checkpoint import open_checkpoint
     from fast_start.watch import identity
