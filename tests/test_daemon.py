@@ -218,7 +218,7 @@ def test_evicting_a_mapped_model_leaves_the_engine_tensors_valid(tmp_path, small
 KILLED = textwrap.dedent("""
     import os, signal, socket, sys
     from fast_start import protocol
-    from fast_start.transport import connect, request, stay_awake
+    from fast_start.transport import connect, request
     from fast_start.fingerprint import WeightSpec, fingerprint
     from fast_start.checkpoint import open_checkpoint
     from fast_start.watch import identity
