@@ -85,7 +85,9 @@ def fetch(spec: WeightSpec, device: str | torch.device = "cpu", mode: str = "zer
     daemons = _daemons(directory, device, connect_timeout)
     first = next(daemons, None)
     try:
-        want, files = fingerprint(spec), watch.identity(spec.path)     # a checkpoint error is the caller's
+        shards: watch.Identity = {}     # each shard is opened once, for its header and its identity
+        want = fingerprint(spec, identities=shards)                     # a checkpoint error is the caller's
+        files = watch.identity(spec.path, shards)
         try:
             if first is None:
                 raise CacheMiss(f"no fast-start daemon socket in {directory}",

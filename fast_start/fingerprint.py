@@ -73,29 +73,34 @@ class Fingerprint(NamedTuple):
         return cls(**d)
 
 
-def checkpoint_hash(folder: Path, known: dict[str, bytes] | None = None) -> str:
+def checkpoint_hash(folder: Path, known: dict[str, bytes] | None = None,
+                    identities: dict[str, list[int]] | None = None) -> str:
     """Hash of the raw header of every *.safetensors file in `folder` (`weight_files`), by file
     name (the folder's path is left out). `known`: headers already read, by file name (a fill's).
+    `identities`: where to record the identity of each file read (`headers.raw_header`).
 
     The index is not hashed: which tensor lies in which file is what the headers say. Its
     identity, like every file's, is the cache's other check (`watch.identity`)."""
     h = hashlib.sha256()
     for name in weight_files(folder):
         raw = known.get(name) if known else None
-        raw = raw if raw is not None else raw_header(folder / name)
+        raw = raw if raw is not None else raw_header(folder / name, identities)
         h.update(f"{name}\0{len(raw)}\0".encode())
         h.update(raw)
     return h.hexdigest()
 
 
-def fingerprint(spec: WeightSpec, ckpt: "Checkpoint | None" = None) -> Fingerprint:
+def fingerprint(spec: WeightSpec, ckpt: "Checkpoint | None" = None,
+                identities: dict[str, list[int]] | None = None) -> Fingerprint:
     """The fingerprint of `spec`'s weights.
 
     Without `ckpt` only config.json and the raw headers are read, not validated: that is all a
     cache lookup needs, since a daemon holding the same header hash validated those very files.
+    `identities` collects the identity of each shard read (`watch.identity` takes them as known:
+    an engine then opens each shard once).
     """
     folder = Path(spec.path)
-    checkpoint = checkpoint_hash(folder, ckpt.headers if ckpt else None)   # first: names an unreadable folder
+    checkpoint = checkpoint_hash(folder, ckpt.headers if ckpt else None, identities)   # first: names an unreadable folder
     if spec.layout == "vllm":      # any architecture vLLM builds; vLLM's own quantization names
         architecture, checkpoint_config = read_identity(folder)
         quantization = vllm_rules.resolve(spec.quantization, checkpoint_config)

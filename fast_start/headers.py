@@ -144,17 +144,29 @@ def required_tensors(dims: ModelDims) -> list[str]:
     return names
 
 
-def raw_header(path: Path) -> bytes:
-    """The 8-byte little-endian length and the JSON header, as stored."""
+def raw_header(path: Path, identities: dict[str, list[int]] | None = None) -> bytes:
+    """The 8-byte little-endian length and the JSON header, as stored. With `identities`, the
+    file's identity (`file_identity`) is recorded there under its name, from the same open."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            head = os.pread(fd, 8, 0)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            return head + f.read(min(n, MAX_HEADER))
+            raw = head + os.pread(fd, min(n, MAX_HEADER), 8) if n else head
+            if identities is not None:
+                identities[Path(path).name] = file_identity(os.fstat(fd))
+            return raw
+        finally:
+            os.close(fd)
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e.strerror or e}",
                               "make the checkpoint readable by this process's user (uid "
                               f"{os.geteuid()})") from None
+
+
+def file_identity(st: os.stat_result) -> list[int]:
+    """What the cache records of a checkpoint file (`watch.py`): device, inode, size, mtime."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
 
 
 def weight_files(folder: Path) -> tuple[str, ...]:

@@ -25,7 +25,7 @@ import struct
 from pathlib import Path
 
 from .errors import CheckpointError
-from .headers import INDEX, weight_files
+from .headers import INDEX, file_identity, weight_files
 
 log = logging.getLogger("fast_start.daemon")
 
@@ -44,14 +44,17 @@ def checkpoint_files(folder: Path) -> list[str]:
     return sorted(names | {"config.json"})
 
 
-def identity(folder: str | Path) -> Identity:
-    """The identity of every checkpoint file in `folder`; a missing file is [0, 0, -1, 0]."""
+def identity(folder: str | Path, known: Identity | None = None) -> Identity:
+    """The identity of every checkpoint file in `folder`; a missing file is [0, 0, -1, 0].
+    `known`: identities of files just read (`fingerprint(identities=…)`), not taken again."""
     folder = Path(folder)
     out = {}
     for name in checkpoint_files(folder):
+        if known and name in known:
+            out[name] = known[name]
+            continue
         try:
-            st = os.stat(folder / name)
-            out[name] = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+            out[name] = file_identity(os.stat(folder / name))
         except OSError:
             out[name] = [0, 0, -1, 0]
     return out

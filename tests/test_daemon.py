@@ -106,7 +106,7 @@ def test_a_fetch_whose_checkpoint_reads_are_slow_asks_on_a_new_connection(tmp_pa
     opened, connect_at = [], client.connect
     monkeypatch.setattr(client, "connect", lambda *a: opened.append(time.monotonic()) or connect_at(*a))
     hashed = client.fingerprint
-    monkeypatch.setattr(client, "fingerprint", lambda spec: time.sleep(client.FRESH_S + 0.5) or hashed(spec))
+    monkeypatch.setattr(client, "fingerprint", lambda spec, **kw: time.sleep(client.FRESH_S + 0.5) or hashed(spec, **kw))
     w = fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"), socket_dir=str(tmp_path / "run"),
                          fallback=False)
     assert w.source == "cache" and len(opened) == 2 and opened[1] - opened[0] > client.FRESH_S
