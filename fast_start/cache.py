@@ -158,7 +158,13 @@ class Cache:
     def acquire(self, msg: protocol.Acquire, peer: Peer):
         """A lease and the reply that carries the model's fds: its manifest as the tensor table
         (engines) or as JSON (`fast-start verify`). A copy-mode lease ends once the reply is out:
-        the engine's own copy is made from the fds it received, which keep the memory alive."""
+        the engine's own copy is made from the fds it received, which keep the memory alive.
+
+        A partial request (`fingerprint.requested`: sent before the engine read its checkpoint) is
+        served by the model equal in its other fields whose files are the engine's (their identity
+        pins the bytes the rest of the fingerprint is read from; the engine checks the reply's
+        fingerprint against its own). Anything else gets `_PARTIAL_MISS`, neither logged nor
+        counted: the engine asks again with the whole fingerprint, and that answer says why."""
         if msg.protocol and msg.protocol != protocol.VERSION:
             return _no(protocol.Error(f"protocol version {msg.protocol} is not spoken here (daemon speaks "
                                       f"{protocol.VERSION})", "use a fast-start client of the daemon's version"))
@@ -172,12 +178,12 @@ class Cache:
         except (ValueError, TypeError) as e:
             return _no(protocol.Error(f"fingerprint is malformed: {e}", "send all fingerprint fields"))
         with self.lock:
-            diffs = sorted((len(e.manifest.fingerprint.diff(want)), name) for name, e in self.entries.items())
-            best = self.entries[diffs[0][1]] if diffs else None
-            if best is None or best.manifest.fingerprint.diff(want):
-                return _no(self._missed(peer, self._miss(want, best)))
+            best = min(self.entries.values(), default=None, key=lambda e: (
+                len(e.manifest.fingerprint.diff(want, msg.partial)), e.files != msg.files, e.model.name))
+            if best is None or best.manifest.fingerprint.diff(want, msg.partial):
+                return _no(_PARTIAL_MISS if msg.partial else self._missed(peer, self._miss(want, best)))
         if msg.files != best.files:
-            return _no(self._missed(peer, self._files_miss(best, msg.files)))
+            return _no(_PARTIAL_MISS if msg.partial else self._missed(peer, self._files_miss(best, msg.files)))
         with self.lock:
             if best.retired:
                 return _no(protocol.Miss("the model was evicted meanwhile", [], best.model.name))
@@ -451,6 +457,10 @@ class Cache:
     def eviction_list(self, peer: Peer | None = None) -> dict:
         with self.lock:
             return {"gpu": self.gpu, "evictions": list(self.evictions)}
+
+
+_PARTIAL_MISS = protocol.Miss("no cached model matches before the checkpoint's headers are compared", ["partial"],
+                              fix="ask again with the whole fingerprint")
 
 
 def _no(reply):

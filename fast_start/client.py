@@ -9,9 +9,12 @@ A fetch from the cache is one request and one reply per daemon asked (`Acquire` 
 protocol version and the device; `Acquired` carries the lease, the arena fds and the tensor
 table), and the tensors are built a run of equal shapes at a time (`arena.from_table`): a fresh
 engine process has its weights in milliseconds, however many tensors a rank has. Each side works
-while the other does: the engine connects before it reads the checkpoint's headers (the daemon
-admits the connection meanwhile), and warms up its first map while the daemon answers, as far
-as the reply leaves time for (`arena.warm_ups`).
+while the other does: the engine connects before it takes the checkpoint files' identities (the
+daemon admits the connection meanwhile) and sends its request before it reads the headers (the
+fields of the fingerprint only they give left empty: `fingerprint.requested`); while the daemon
+answers it reads them, to check the reply's fingerprint against its own, and warms up its first
+map as far as the reply leaves time for (`arena.warm_ups`). So a large arena is mapped, and its
+access set, that much earlier.
 """
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ import torch
 
 from . import arena as arenas
 from . import protocol, watch
-from .errors import ArenaError, CacheMiss, FastStartError, LoadError
-from .fingerprint import Fingerprint, WeightSpec, fingerprint
+from .errors import ArenaError, CacheMiss, CheckpointError, FastStartError, LoadError
+from .fingerprint import Fingerprint, WeightSpec, fingerprint, requested
 from .transport import connect, request, socket_dir as _socket_dir, sockets as _sockets
 
 if TYPE_CHECKING:
@@ -80,20 +83,20 @@ def fetch(spec: WeightSpec, device: str | torch.device = "cpu", mode: str = "zer
         raise FastStartError(f"fetch mode {mode!r} is unknown", f"use one of {', '.join(MODES)}")
     device = torch.device(device)
     # The first daemon is connected to before the checkpoint is read: it admits the connection
-    # and readies a thread for it while this process hashes the headers.
+    # and readies a thread for it while this process takes the files' identities.
     directory = _socket_dir(socket_dir)
     daemons = _daemons(directory, device, connect_timeout)
     first = next(daemons, None)
     try:
-        shards: watch.Identity = {}     # each shard is opened once, for its header and its identity
-        want = fingerprint(spec, identities=shards)                     # a checkpoint error is the caller's
-        files = watch.identity(spec.path, shards)
+        headers = _Headers(spec, watch.identity(spec.path))
         try:
             if first is None:
+                headers.fingerprint()       # a checkpoint error is the caller's
                 raise CacheMiss(f"no fast-start daemon socket in {directory}",
                                 "start the daemon (systemctl start fast-start@N) or pass socket_dir")
-            return _from_cache(want, files, device, mode, directory, itertools.chain([first], daemons),
-                               connect_timeout)
+            return _from_cache(headers, device, mode, directory, itertools.chain([first], daemons), connect_timeout)
+        except CheckpointError:
+            raise
         except FastStartError as miss:
             fields = getattr(miss, "fields", ())
             if not fallback:
@@ -124,17 +127,57 @@ def _daemons(directory: Path, device: torch.device, timeout: float) -> Iterator[
 
 
 def _unreachable(path: Path, e: FastStartError | OSError) -> tuple:
-    """A miss (reason, fix, no fields) for a daemon that could not be connected to or asked."""
+    """A miss (reason, fix, fields) for a daemon that could not be connected to or asked."""
     if isinstance(e, FastStartError):
-        return f"{path}: {e.what}", e.fix, ()
+        return f"{path}: {e.what}", e.fix, tuple(getattr(e, "fields", ()))
     return f"{path}: {e.strerror or e}", "check that the daemon runs", ()
 
 
-def _from_cache(want: Fingerprint, files: watch.Identity, device: torch.device, mode: str, directory: Path,
-                daemons: Iterator[_Daemon], timeout: float) -> Weights:
+class _Headers:
+    """The engine's own fingerprint of `spec`, computed once: while the first daemon answers (its
+    checkpoint's headers and config.json are read then), or when first asked for. Each shard is
+    opened once, and its identity must still be the one sent (`files`): a shard replaced
+    meanwhile is a miss. A checkpoint error is raised each time it is asked for."""
+
+    def __init__(self, spec: WeightSpec, files: watch.Identity):
+        self.spec, self.files = spec, files
+        self.result: Fingerprint | None = None
+        self.error: FastStartError | None = None
+
+    def fingerprint(self) -> Fingerprint:
+        if self.result is None and self.error is None:
+            seen: watch.Identity = {}
+            try:
+                self.result = fingerprint(self.spec, identities=seen)
+            except FastStartError as e:
+                self.error = e
+            changed = sorted(n for n, identity in seen.items() if self.files.get(n) != identity)
+            if changed and self.error is None:
+                self.error = CacheMiss(f"{changed[0]} changed while this engine read the checkpoint",
+                                       "fetch again once the checkpoint is written", ("files",))
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def read(self, device: torch.device) -> Iterator[None]:
+        """The steps for the wait for a reply: the fingerprint, then the first map's warm-ups."""
+        try:
+            self.fingerprint()
+        except FastStartError:
+            pass                # raised where the fingerprint is used
+        yield
+        yield from arenas.warm_ups(device)
+
+
+def _from_cache(headers: _Headers, device: torch.device, mode: str, directory: Path, daemons: Iterator[_Daemon],
+                timeout: float) -> Weights:
     """One round trip per daemon asked: `Acquire` names the protocol and the device, and the reply
-    carries the lease, the fds and the tensor table."""
-    ask = protocol.Acquire(want.to_dict(), mode, files, protocol.VERSION, _device_id(device))
+    carries the lease, the fds and the tensor table. The first request goes out before the
+    checkpoint is read (`fingerprint.requested`, with the files' identities); the fingerprint is
+    read while the daemon answers, and checked against the reply's. A daemon that cannot tell
+    from that much is asked again with the whole fingerprint: its answer names the reason."""
+    ask = protocol.Acquire(requested(headers.spec).to_dict(), mode, headers.files, protocol.VERSION,
+                           _device_id(device), partial=1)
     misses = []    # (reason, fix, differing fields)
     for path, conn, opened, miss in daemons:
         if conn is None:
@@ -145,16 +188,15 @@ def _from_cache(want: Fingerprint, files: watch.Identity, device: torch.device, 
                 conn.close()
                 conn = connect(path, timeout)
             with conn:
-                reply, fds = request(conn, ask, with_fds=True, meanwhile=arenas.warm_ups(device))
+                reply = _ask(conn, ask, headers, device)
+        except CheckpointError:
+            raise
         except (FastStartError, OSError) as e:
             misses.append(_unreachable(path, e))
             continue
-        if isinstance(reply, protocol.Acquired):
-            weights = _use(reply, fds, want, mode, device)
-            weights.socket = str(path)
-            return weights
-        for fd in fds:
-            os.close(fd)
+        if isinstance(reply, Weights):
+            reply.socket = str(path)
+            return reply
         if not isinstance(reply, protocol.Miss):
             misses.append((f"{path}: a {reply.kind!r} reply to an acquire", "use a fast-start client of the daemon's "
                            "version", ()))
@@ -166,6 +208,45 @@ def _from_cache(want: Fingerprint, files: watch.Identity, device: torch.device, 
         raise CacheMiss(f"no daemon in {directory} serves device {ask.device}", "check the daemon's config")
     reason, fix, fields = min(misses, key=lambda m: (not m[2], len(m[2])))
     raise CacheMiss(reason, fix, tuple(fields))
+
+
+def _ask(conn: socket.socket, ask: protocol.Acquire, headers: _Headers, device: torch.device):
+    """The weights a daemon's answer to `ask` gives, else its reply (a miss). A lease the engine
+    does not use (the reply's fingerprint is not its own, or the reply is malformed) is given back."""
+    reply, fds = request(conn, ask, with_fds=True, meanwhile=headers.read(device))
+    try:
+        want = headers.fingerprint()
+        if isinstance(reply, protocol.Miss) and reply.fields == ["partial"]:
+            whole = protocol.Acquire(want.to_dict(), ask.mode, ask.files, ask.protocol, ask.device)
+            reply, fds = request(conn, whole, with_fds=True)
+    except BaseException:
+        _close(fds)
+        if isinstance(reply, protocol.Acquired):
+            _give_back(conn, reply, ask.mode)
+        raise
+    if not isinstance(reply, protocol.Acquired):
+        _close(fds)
+        return reply
+    try:
+        return _use(reply, fds, want, ask.mode, device)
+    except FastStartError:
+        _give_back(conn, reply, ask.mode)
+        raise
+
+
+def _give_back(conn: socket.socket, reply: protocol.Acquired, mode: str) -> None:
+    """Release the zero_copy lease of a reply the engine turns down (a copy's ended with the reply)."""
+    if mode != "zero_copy":
+        return
+    try:
+        request(conn, protocol.Release(reply.lease))
+    except (FastStartError, OSError) as e:
+        log.warning("fast-start: could not release lease %d: %s", reply.lease, e)
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _likely_first(sockets: list[Path], device: torch.device) -> list[Path]:
@@ -185,7 +266,9 @@ def _use(reply: protocol.Acquired, fds: list[int], want: Fingerprint, mode: str,
         head = reply.manifest
         try:
             if head["fingerprint"] != want.to_dict():
-                raise CacheMiss("the daemon answered with a different fingerprint", "report this as a bug",
+                raise CacheMiss("the cached model's fingerprint is not the one this engine reads from the checkpoint",
+                                "the checkpoint changed in a way its files' identities do not show (size and mtime "
+                                "kept): refill it with fast-start fill --gpu N --model NAME",
                                 Fingerprint.from_dict(head["fingerprint"]).diff(want))
             where = [(int(a["size"]), str(a["device"])) for a in head["arenas"]]
             aliases, engine = dict(head["aliases"]), dict(head.get("engine", {}))

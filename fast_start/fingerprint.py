@@ -58,9 +58,11 @@ class Fingerprint(NamedTuple):
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self._asdict(), sort_keys=True).encode()).hexdigest()
 
-    def diff(self, other: "Fingerprint") -> tuple[str, ...]:
-        """Names of the fields that differ."""
-        return tuple(name for name, a, b in zip(self._fields, self, other) if a != b)
+    def diff(self, other: "Fingerprint", partial: bool = False) -> tuple[str, ...]:
+        """Names of the fields that differ. `partial`: `other` is a `requested` fingerprint, whose
+        empty FROM_FILES fields differ from nothing."""
+        return tuple(name for name, a, b in zip(self._fields, self, other)
+                     if a != b and not (partial and b == "" and name in FROM_FILES))
 
     def to_dict(self) -> dict:
         return self._asdict()
@@ -71,6 +73,23 @@ class Fingerprint(NamedTuple):
         if not isinstance(d, dict) or set(d) != names:
             raise ValueError(f"a fingerprint has exactly the fields {sorted(names)}")
         return cls(**d)
+
+
+# What only the checkpoint's files say (its headers, config.json). An engine asks a daemon before
+# it reads them: it sends these empty (`requested`), the daemon matches the other fields and the
+# files' identities (`watch.py`), and the engine checks the whole fingerprint in the reply.
+FROM_FILES = ("checkpoint", "architecture", "quantization", "quantization_config")
+
+
+def requested(spec: WeightSpec) -> Fingerprint:
+    """`spec`'s fingerprint as far as it is known before a file is read: FROM_FILES empty, except
+    a quantization the spec names (vLLM's layout takes "none" from the checkpoint's config)."""
+    quantization = "" if spec.layout == "vllm" and spec.quantization == "none" else spec.quantization
+    return Fingerprint(
+        checkpoint="", architecture="", tensor_parallel_size=spec.tensor_parallel_size, rank=spec.rank,
+        dtype=spec.dtype, quantization=quantization, quantization_config="", revision=spec.revision,
+        engine_version=spec.engine_version, layout=f"{spec.layout}/{LAYOUT_VERSION}",
+        pipeline_parallel_size=spec.pipeline_parallel_size, engine_options=spec.engine_options)
 
 
 def checkpoint_hash(folder: Path, known: dict[str, bytes] | None = None,

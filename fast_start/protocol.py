@@ -112,7 +112,7 @@ class Fingerprints(Message):
     kind = "fingerprints"
 
 
-class Acquire(Message):           # an engine's one request: no Hello needed before it
+class Acquire(Message):           # an engine's request (a partial one may be asked again whole): no Hello needed
     kind = "acquire"
     fingerprint: dict
     mode: str
@@ -120,6 +120,7 @@ class Acquire(Message):           # an engine's one request: no Hello needed bef
     protocol: int = 0             # the client's VERSION (0: it said so in a Hello)
     device: str = ""              # where it maps: "cpu" or a GPU's UUID; "" any
     manifest: str = "table"       # "table": the binary tensor table follows Acquired; "json": the whole manifest
+    partial: int = 0              # 1: `fingerprint.requested`'s, sent before the files were read (the engine checks the reply's)
 
 
 class Release(Message):

@@ -97,19 +97,77 @@ def test_different_checkpoint_is_a_miss_on_the_checkpoint_field(tmp_path, llama,
     assert "checkpoint" in err.value.fields
 
 
+def test_a_shard_replaced_while_the_engine_reads_it_is_a_miss(tmp_path, small, daemons, monkeypatch):
+    """The identities are sent before the headers are read: a shard replaced in between (a new
+    file moved over it) is a miss on `files` even though the daemon still matched the old ones."""
+    import shutil
+    from fast_start import client
+    daemons(write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)]))
+    shard = sorted(small.glob("*.safetensors"))[0]
+    identity = client.watch.identity
+
+    def then_replace(*a):
+        taken = identity(*a)
+        shutil.copy(shard, tmp_path / "copy")
+        os.replace(tmp_path / "copy", shard)
+        return taken
+    monkeypatch.setattr(client.watch, "identity", then_replace)
+    with pytest.raises(CacheMiss) as err:
+        fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"), socket_dir=str(tmp_path / "run"),
+                         fallback=False)
+    assert err.value.fields == ("files",) and shard.name in err.value.what
+
+
+def test_a_partial_request_is_served_only_on_the_engines_files_and_its_misses_are_not_counted(
+        tmp_path, small, llama, daemons):
+    """The daemon serves a request sent before the headers were read (`partial`) from the model
+    equal in the other fields whose files are the engine's; else it says to ask again with the
+    whole fingerprint, without logging or counting a miss: the whole request's answer is the miss."""
+    from fast_start import watch
+    from fast_start.fingerprint import requested
+    d = daemons(write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small), model("llama", llama)]))
+    spec = fast_start.WeightSpec(str(llama), engine_version="test")
+
+    def ask(spec, files):
+        with connect(d.socket, 5) as conn:
+            reply, fds = request(conn, protocol.Acquire(requested(spec).to_dict(), "copy", files, protocol.VERSION,
+                                                        partial=1), with_fds=True)
+        for fd in fds:
+            os.close(fd)
+        return reply
+    hit = ask(spec, watch.identity(llama))
+    assert isinstance(hit, protocol.Acquired) and hit.model == "llama"
+    assert ask(fast_start.WeightSpec(str(small), engine_version="test"), watch.identity(small)).model == "small"
+    for other in (ask(spec._replace(engine_version="other"), watch.identity(llama)),
+                  ask(spec, {**watch.identity(llama), "config.json": [1, 2, 3, 4]})):
+        assert isinstance(other, protocol.Miss) and other.fields == ["partial"]
+    assert "miss for" not in d.log.read_text()
+    with connect(d.socket, 5) as conn:
+        request(conn, protocol.Hello(protocol.VERSION))
+        samples = request(conn, protocol.Metrics()).body["samples"]
+    assert not [x for x in samples if x[0] == "fast_start_cache_misses_total"], samples
+
+
 def test_a_fetch_whose_checkpoint_reads_are_slow_asks_on_a_new_connection(tmp_path, small, daemons, monkeypatch):
-    """fetch connects to the daemon before it reads the checkpoint's headers (the daemon admits the
-    connection meanwhile); when those reads took longer than FRESH_S (slow storage) it asks on a
-    connection made anew, since the daemon cuts connections that stay idle."""
+    """fetch connects to the daemon before it takes the checkpoint files' identities (the daemon
+    admits the connection meanwhile); when that took longer than FRESH_S (slow storage) it asks on
+    a connection made anew, since the daemon cuts connections that stay idle. Headers read slowly
+    are read while the daemon answers: the reply waits for them."""
     from fast_start import client
     daemons(write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)]))
     opened, connect_at = [], client.connect
     monkeypatch.setattr(client, "connect", lambda *a: opened.append(time.monotonic()) or connect_at(*a))
-    hashed = client.fingerprint
-    monkeypatch.setattr(client, "fingerprint", lambda spec, **kw: time.sleep(client.FRESH_S + 0.5) or hashed(spec, **kw))
+    identity, hashed = client.watch.identity, client.fingerprint
+    monkeypatch.setattr(client.watch, "identity", lambda *a: time.sleep(client.FRESH_S + 0.5) or identity(*a))
     w = fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"), socket_dir=str(tmp_path / "run"),
                          fallback=False)
     assert w.source == "cache" and len(opened) == 2 and opened[1] - opened[0] > client.FRESH_S
+    monkeypatch.setattr(client.watch, "identity", identity)
+    monkeypatch.setattr(client, "fingerprint", lambda *a, **kw: time.sleep(client.FRESH_S + 0.5) or hashed(*a, **kw))
+    opened.clear()
+    assert fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"), socket_dir=str(tmp_path / "run"),
+                            fallback=False).source == "cache"
+    assert len(opened) == 1
     monkeypatch.setattr(client, "fingerprint", hashed)
     opened.clear()
     assert fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"), socket_dir=str(tmp_path / "run"),

@@ -87,3 +87,19 @@ def test_an_engine_takes_each_shards_identity_from_the_open_that_read_its_header
     forged = {name: [1, 2, 3, 4] for name in seen}
     mixed = watch.identity(small, forged)
     assert all(mixed[n] == [1, 2, 3, 4] for n in shards) and mixed["config.json"] == watch.identity(small)["config.json"]
+
+
+@pytest.mark.parametrize("layout,quantization", [("hf", "none"), ("hf", "fp8"), ("vllm", "none"), ("vllm", "fp8")])
+def test_a_requested_fingerprint_leaves_empty_only_what_the_files_say(small, layout, quantization):
+    """What an engine sends before it reads its checkpoint equals its whole fingerprint in every
+    field but those FROM_FILES, which are empty (the quantization too where vLLM's layout takes it
+    from config.json); a partial diff ignores just those."""
+    from fast_start.fingerprint import FROM_FILES, requested
+    spec = WeightSpec(str(small), layout=layout, quantization=quantization, engine_version="x")
+    whole, asked = fingerprint(spec), requested(spec)
+    assert set(whole.diff(asked)) <= set(FROM_FILES)
+    assert all(getattr(asked, f) == "" for f in whole.diff(asked))
+    assert (asked.quantization == "") == (layout == "vllm" and quantization == "none")
+    assert whole.diff(asked, partial=True) == ()
+    assert whole.diff(asked._replace(rank=1), partial=True) == ("rank",)
+    assert whole.diff(whole._replace(checkpoint=""), partial=False) == ("checkpoint",)
