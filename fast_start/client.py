@@ -12,9 +12,10 @@ engine process has its weights in milliseconds, however many tensors a rank has.
 while the other does: the engine connects before it takes the checkpoint files' identities (the
 daemon admits the connection meanwhile) and sends its request before it reads the headers (the
 fields of the fingerprint only they give left empty: `fingerprint.requested`); while the daemon
-answers it reads them, to check the reply's fingerprint against its own, and warms up its first
-map as far as the reply leaves time for (`arena.warm_ups`). So a large arena is mapped, and its
-access set, that much earlier.
+answers it reads them, to check the reply's fingerprint against its own (a reply that is not its
+model's is given back, and the engine asks again with the whole fingerprint), and warms up its
+first map as far as the reply leaves time for (`arena.warm_ups`). So a large arena is mapped, and
+its access set, that much earlier.
 """
 from __future__ import annotations
 
@@ -211,11 +212,18 @@ def _from_cache(headers: _Headers, device: torch.device, mode: str, directory: P
 
 
 def _ask(conn: socket.socket, ask: protocol.Acquire, headers: _Headers, device: torch.device):
-    """The weights a daemon's answer to `ask` gives, else its reply (a miss). A lease the engine
-    does not use (the reply's fingerprint is not its own, or the reply is malformed) is given back."""
+    """The weights a daemon's answer to `ask` gives, else its reply (a miss). A partial `ask` is
+    asked again whole where the daemon could not match it, or matched a model whose fingerprint is
+    not the one the engine read (another quantization of the same files, a header rewritten
+    unseen); a lease the engine does not use is given back."""
     reply, fds = request(conn, ask, with_fds=True, meanwhile=headers.read(device))
     try:
         want = headers.fingerprint()
+        if isinstance(reply, protocol.Acquired) and ask.partial and \
+                (reply.manifest.get("fingerprint") if isinstance(reply.manifest, dict) else None) != want.to_dict():
+            _close(fds)
+            _give_back(conn, reply, ask.mode)
+            reply, fds = _PARTIAL, []
         if isinstance(reply, protocol.Miss) and reply.fields == ["partial"]:
             whole = protocol.Acquire(want.to_dict(), ask.mode, ask.files, ask.protocol, ask.device)
             reply, fds = request(conn, whole, with_fds=True)
@@ -232,6 +240,9 @@ def _ask(conn: socket.socket, ask: protocol.Acquire, headers: _Headers, device: 
     except FastStartError:
         _give_back(conn, reply, ask.mode)
         raise
+
+
+_PARTIAL = protocol.Miss("the reply to a partial request is not this engine's model", ["partial"])
 
 
 def _give_back(conn: socket.socket, reply: protocol.Acquired, mode: str) -> None:
@@ -266,9 +277,7 @@ def _use(reply: protocol.Acquired, fds: list[int], want: Fingerprint, mode: str,
         head = reply.manifest
         try:
             if head["fingerprint"] != want.to_dict():
-                raise CacheMiss("the cached model's fingerprint is not the one this engine reads from the checkpoint",
-                                "the checkpoint changed in a way its files' identities do not show (size and mtime "
-                                "kept): refill it with fast-start fill --gpu N --model NAME",
+                raise CacheMiss("the daemon answered with a different fingerprint", "report this as a bug",
                                 Fingerprint.from_dict(head["fingerprint"]).diff(want))
             where = [(int(a["size"]), str(a["device"])) for a in head["arenas"]]
             aliases, engine = dict(head["aliases"]), dict(head.get("engine", {}))

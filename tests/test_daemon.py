@@ -118,6 +118,25 @@ def test_a_shard_replaced_while_the_engine_reads_it_is_a_miss(tmp_path, small, d
     assert err.value.fields == ("files",) and shard.name in err.value.what
 
 
+def test_a_reply_to_a_partial_request_that_is_not_the_engines_model_is_given_back_and_asked_again(
+        tmp_path, small, daemons, monkeypatch):
+    """Where a partial request matches more than one model (vLLM's layout leaves a quantization it
+    takes from config.json empty; here the engine is made to leave it empty, with the same files
+    cached as fp8 and unquantized), the daemon may answer with the other one: the engine gives
+    that lease back and asks again with the whole fingerprint, which gets its own model."""
+    from fast_start import client
+    d = daemons(write_config(tmp_path / "fs.toml", tmp_path / "run",
+                             [model("a-fp8", small, quantization="fp8"), model("b-none", small)]))
+    requested = client.requested
+    monkeypatch.setattr(client, "requested", lambda spec: requested(spec)._replace(quantization=""))
+    w = fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"), socket_dir=str(tmp_path / "run"),
+                         fallback=False)
+    assert w.source == "cache" and w.fingerprint.quantization == "none"
+    held = [l["model"] for l in status(d)["leases"] if l["pid"] == os.getpid()]
+    assert held == ["b-none"], held
+    assert "served a-fp8" in d.log.read_text() and "served b-none" in d.log.read_text()
+
+
 def test_a_partial_request_is_served_only_on_the_engines_files_and_its_misses_are_not_counted(
         tmp_path, small, llama, daemons):
     """The daemon serves a request sent before the headers were read (`partial`) from the model
