@@ -119,7 +119,8 @@ def fingerprint(spec: WeightSpec, ckpt: "Checkpoint | None" = None,
     an engine then opens each shard once).
     """
     folder = Path(spec.path)
-    checkpoint = checkpoint_hash(folder, ckpt.headers if ckpt else None, identities)   # first: names an unreadable folder
+    # First: it names an unreadable folder.
+    checkpoint = checkpoint_hash(folder, ckpt.headers if ckpt else None, identities)
     if spec.layout == "vllm":      # any architecture vLLM builds; vLLM's own quantization names
         architecture, checkpoint_config = read_identity(folder)
         quantization = vllm_rules.resolve(spec.quantization, checkpoint_config)

@@ -120,7 +120,7 @@ class Acquire(Message):           # an engine's request (a partial one may be as
     protocol: int = 0             # the client's VERSION (0: it said so in a Hello)
     device: str = ""              # where it maps: "cpu" or a GPU's UUID; "" any
     manifest: str = "table"       # "table": the binary tensor table follows Acquired; "json": the whole manifest
-    partial: int = 0              # 1: `fingerprint.requested`'s, sent before the files were read (the engine checks the reply's)
+    partial: int = 0              # 1: a `fingerprint.requested` (the files not yet read; the engine checks the reply's)
 
 
 class Release(Message):
