@@ -219,12 +219,12 @@ def _ask(conn: socket.socket, ask: protocol.Acquire, headers: _Headers, device: 
     reply, fds = request(conn, ask, with_fds=True, meanwhile=headers.read(device))
     try:
         want = headers.fingerprint()
-        if isinstance(reply, protocol.Acquired) and ask.partial and \
-                (reply.manifest.get("fingerprint") if isinstance(reply.manifest, dict) else None) != want.to_dict():
+        again = isinstance(reply, protocol.Miss) and reply.fields == ["partial"]
+        if isinstance(reply, protocol.Acquired) and ask.partial and reply.manifest.get("fingerprint") != want.to_dict():
             _close(fds)
             _give_back(conn, reply, ask.mode)
-            reply, fds = _PARTIAL, []
-        if isinstance(reply, protocol.Miss) and reply.fields == ["partial"]:
+            again, fds = True, []
+        if again:
             whole = protocol.Acquire(want.to_dict(), ask.mode, ask.files, ask.protocol, ask.device)
             reply, fds = request(conn, whole, with_fds=True)
     except BaseException:
@@ -240,9 +240,6 @@ def _ask(conn: socket.socket, ask: protocol.Acquire, headers: _Headers, device: 
     except FastStartError:
         _give_back(conn, reply, ask.mode)
         raise
-
-
-_PARTIAL = protocol.Miss("the reply to a partial request is not this engine's model", ["partial"])
 
 
 def _give_back(conn: socket.socket, reply: protocol.Acquired, mode: str) -> None:

@@ -115,8 +115,8 @@ def fingerprint(spec: WeightSpec, ckpt: "Checkpoint | None" = None,
 
     Without `ckpt` only config.json and the raw headers are read, not validated: that is all a
     cache lookup needs, since a daemon holding the same header hash validated those very files.
-    `identities` collects the identity of each shard read (`watch.identity` takes them as known:
-    an engine then opens each shard once).
+    `identities` collects the identity of each shard as read (an engine compares them with the
+    identities it sent: a shard replaced meanwhile is a miss).
     """
     folder = Path(spec.path)
     # First: it names an unreadable folder.

@@ -44,15 +44,11 @@ def checkpoint_files(folder: Path) -> list[str]:
     return sorted(names | {"config.json"})
 
 
-def identity(folder: str | Path, known: Identity | None = None) -> Identity:
-    """The identity of every checkpoint file in `folder`; a missing file is [0, 0, -1, 0].
-    `known`: identities of files just read (`fingerprint(identities=…)`), not taken again."""
+def identity(folder: str | Path) -> Identity:
+    """The identity of every checkpoint file in `folder`; a missing file is [0, 0, -1, 0]."""
     folder = Path(folder)
     out = {}
     for name in checkpoint_files(folder):
-        if known and name in known:
-            out[name] = known[name]
-            continue
         try:
             out[name] = file_identity(os.stat(folder / name))
         except OSError:
