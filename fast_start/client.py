@@ -223,7 +223,7 @@ def _ask(conn: socket.socket, ask: protocol.Acquire, headers: _Headers, device: 
         if isinstance(reply, protocol.Acquired) and ask.partial and reply.manifest.get("fingerprint") != want.to_dict():
             _close(fds)
             _give_back(conn, reply, ask.mode)
-            again, fds = True, []
+            again, reply, fds = True, None, []      # nothing held any more, should the re-ask fail
         if again:
             whole = protocol.Acquire(want.to_dict(), ask.mode, ask.files, ask.protocol, ask.device)
             reply, fds = request(conn, whole, with_fds=True)

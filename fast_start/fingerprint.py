@@ -85,11 +85,7 @@ def requested(spec: WeightSpec) -> Fingerprint:
     """`spec`'s fingerprint as far as it is known before a file is read: FROM_FILES empty, except
     a quantization the spec names (vLLM's layout takes "none" from the checkpoint's config)."""
     quantization = "" if spec.layout == "vllm" and spec.quantization == "none" else spec.quantization
-    return Fingerprint(
-        checkpoint="", architecture="", tensor_parallel_size=spec.tensor_parallel_size, rank=spec.rank,
-        dtype=spec.dtype, quantization=quantization, quantization_config="", revision=spec.revision,
-        engine_version=spec.engine_version, layout=f"{spec.layout}/{LAYOUT_VERSION}",
-        pipeline_parallel_size=spec.pipeline_parallel_size, engine_options=spec.engine_options)
+    return _of(spec, "", "", quantization, "")
 
 
 def checkpoint_hash(folder: Path, known: dict[str, bytes] | None = None,
@@ -129,6 +125,11 @@ def fingerprint(spec: WeightSpec, ckpt: "Checkpoint | None" = None,
         dims = ckpt.dims if ckpt else read_config(folder)
         architecture, quantization = dims.architecture, spec.quantization
         config = quant.config_hash(quant.method(quantization), dims.quantization_config)
+    return _of(spec, checkpoint, architecture, quantization, config)
+
+
+def _of(spec: WeightSpec, checkpoint: str, architecture: str, quantization: str, config: str) -> Fingerprint:
+    """The fingerprint of `spec` with the fields FROM_FILES given (empty in a `requested` one)."""
     return Fingerprint(
         checkpoint=checkpoint, architecture=architecture,
         tensor_parallel_size=spec.tensor_parallel_size, rank=spec.rank, dtype=spec.dtype,
