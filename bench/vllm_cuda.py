@@ -31,8 +31,8 @@ QWEN3_8B = synth.Shape(architecture="Qwen3ForCausalLM", hidden_size=4096, num_la
                        head_dim=128, intermediate_size=12288, vocab_size=151936)
 MODELS = {"qwen3-bf16": (DENSE, None), "qwen3-fp8": (DENSE, "block"), "moe-fp8": (MOE, "block"),
           "qwen3-8b": (QWEN3_8B, None)}
-# FAST_START_BENCH_PROFILE=1: the default loader and zero_copy only, each engine with vLLM's model
-# loading under cProfile (OUT/<engine>.profile.txt; the engine core then runs in-process).
+# FAST_START_BENCH_PROFILE=1: each engine with vLLM's model loading under cProfile
+# (OUT/<engine>.profile.txt; the engine core then runs in-process).
 PROFILE = os.environ.get("FAST_START_BENCH_PROFILE") == "1"
 # FAST_START_BENCH_RUNS=N: every engine N times (the default loader's runs 2..N compared with its
 # first: how much greedy tokens vary between runs of one loader).
@@ -141,7 +141,7 @@ def main() -> None:
                 continue
             options = {"socket_dir": str(run_dir), "fallback": False}
             for i in range(1, RUNS + 1):
-                for mode in ("zero_copy",) if PROFILE else ("zero_copy", "copy"):
+                for mode in ("zero_copy", "copy"):
                     label = mode if i == 1 else f"{mode}-{i}"
                     r[label] = compared(r, engine(f"{name}-{label}", paths[name], "fast_start",
                                                   {**options, "mode": mode}, PROFILE))
