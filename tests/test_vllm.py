@@ -171,6 +171,7 @@ def test_zero_copy_engine_gets_the_default_loaders_parameters_from_the_cache(wor
         assert r["outside_arena"] == [] and len(r["as_loaded"]) > 10
     assert all(r["external_bytes"] > 0 for r in got["ranks"])  # vLLM is told what the mapping holds
     assert "from the cache (zero_copy)" in log and "model built on meta" in log
+    assert re.search(r"this thread's CPU time: \d+\.\d of \d+\.\d ms", log)
 
 
 def test_copy_mode_loads_from_the_cache_and_the_daemon_receives_the_release(work, checkpoints, reference,
