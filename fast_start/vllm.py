@@ -183,7 +183,7 @@ class FastStartLoader(BaseModelLoader):
         gc.freeze()
         device = _device(vllm_config)
         weights, registered = None, vllm_state.registrations(vllm_config)
-        clock, cpu = [time.perf_counter()], time.thread_time()
+        clock, cpu_start = [time.perf_counter()], time.thread_time()
         try:
             spec = weight_spec(model_config, vllm_config)
             weights = fetch(spec, device, o.mode, fallback=False, socket_dir=o.socket_dir,
@@ -205,7 +205,7 @@ class FastStartLoader(BaseModelLoader):
             log.warning("fast-start: cache miss for %s (%s%s); loading with vLLM's default loader",
                         model_config.model, miss.what, f"; differing fields: {', '.join(fields)}" if fields else "")
             return self.default_loader().load_model(vllm_config, model_config, prefix)
-        cpu = 1e3 * (time.thread_time() - cpu)
+        cpu = 1e3 * (time.thread_time() - cpu_start)
         fetched, built, prepared = (1e3 * (b - a) for a, b in zip(clock, clock[1:]))
         nbytes = sum(t.nbytes for t in weights.tensors.values())
         # The CPU time says whether a slow load computed slowly or waited (for the GPU, the
@@ -214,7 +214,7 @@ class FastStartLoader(BaseModelLoader):
                  "model built on %s %.1f ms, installed %.1f ms (this thread's CPU time: %.1f of %.1f ms)",
                  len(weights), nbytes / 2**20, weights.engine.get("stage", "loaded"),
                  spec.rank, spec.tensor_parallel_size * spec.pipeline_parallel_size, o.mode, fetched,
-                 "meta" if on_meta else "the device", built, prepared, cpu, 1e3 * (clock[-1] - clock[0]))
+                 "meta" if on_meta else "the device", built, prepared, cpu, fetched + built + prepared)
         model.fast_start_source = weights.source
         if o.mode == "zero_copy":       # read by _count_mapped_weights on vLLM < 0.32
             model.fast_start_mapped_bytes = nbytes
