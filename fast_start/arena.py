@@ -18,6 +18,7 @@ import fcntl
 import gc
 import mmap
 import os
+import time
 import types
 import warnings
 from collections.abc import Iterator
@@ -122,14 +123,16 @@ class Imported:
 
     def __init__(self, fd: int, size: int, ordinal: int, readonly: bool):
         self.size, self.ordinal = size, ordinal
+        self.read_by = None     # an event after the map's only reader (a copy), else any kernel may read it
         self.ptr = cudadrv.map_fd(fd, size, ordinal)
         # The job holds no reference to self: the last one could otherwise be dropped, and
-        # __del__ run, on the access thread itself.
+        # __del__ wait for the access, in that very job on the access thread. (A copy's maps are
+        # dropped there on purpose, by a later job: `_unmap_once_copied`.)
         self.done, self.errors = _thread.allocate_lock(), []
         self.done.acquire()
         started = _thread.allocate_lock()
         started.acquire()
-        _access_jobs().put((self.ptr, size, ordinal, readonly, self.done, self.errors, started))
+        _access_jobs().put((_set_access, (self.ptr, size, ordinal, readonly, self.done, self.errors, started)))
         # Wait until the access thread is about to enter the driver call: it needs the GIL to get
         # there, and the views this thread makes next would hold the GIL until they are all made.
         started.acquire()
@@ -155,7 +158,10 @@ class Imported:
         if not getattr(self, "ptr", None) or not cudadrv.loaded():
             return
         if self.ready(raise_error=False) is None:     # else no kernel could read it, nor wait on the GPU
-            torch.cuda.synchronize(self.ordinal)        # no kernel may still read what we unmap
+            if self.read_by is not None:
+                self.read_by.synchronize()              # its only reader is done
+            else:
+                torch.cuda.synchronize(self.ordinal)    # no kernel may still read what we unmap
         cudadrv.unmap(self.ptr, self.size)
         self.ptr = None
 
@@ -184,9 +190,21 @@ def _access_jobs() -> SimpleQueue:
 
 def _serve_access(jobs: SimpleQueue) -> None:
     while True:
-        ptr, size, ordinal, readonly, done, errors, started = jobs.get()
-        started.release()
-        _set_access(ptr, size, ordinal, readonly, done, errors)
+        job, args = jobs.get()
+        try:
+            job(*args)
+        except Exception:       # noqa: BLE001 - the thread serves on; a job reports to its caller itself
+            pass
+        del args        # nothing of a job outlives it here
+
+
+def _drop_when_done(held: list, copied, ordinal: int) -> None:
+    """Wait (sleeping, so the GIL is free) until `copied` has happened, then drop `held`: its maps
+    are unmapped here. On the maps' GPU: this thread must not make a context on another."""
+    with torch.cuda.device(ordinal):
+        while not copied.query():
+            time.sleep(_NAP_S * 10)
+        held.clear()
 
 
 def warm_ups(device: torch.device) -> Iterator[None]:
@@ -214,7 +232,9 @@ def warm_ups(device: torch.device) -> Iterator[None]:
         return
 
 
-def _set_access(ptr: int, size: int, ordinal: int, readonly: bool, done, errors: list) -> None:
+def _set_access(ptr: int, size: int, ordinal: int, readonly: bool, done, errors: list, started=None) -> None:
+    if started is not None:
+        started.release()       # the caller waits for this, not for the access
     try:
         cudadrv.set_access(ptr, size, ordinal, readonly)
     except Exception as e:     # whatever it is, the caller must not read the range
@@ -249,17 +269,34 @@ def map_arenas(fds: list[int], arenas: list[tuple[int, str]], mode: str, device:
 
     `zero_copy`: read-only maps (with a `pending` list, not yet readable: see `map_readonly`).
     `copy`: one device copy of each arena into memory the caller owns (one large copy runs at
-    full bandwidth; per-tensor clones would not), the maps dropped as soon as it is done.
+    full bandwidth; per-tensor clones would not), the maps dropped as soon as it is done: on a
+    GPU by the access thread, while the caller goes on (`_unmap_once_copied`).
     """
     if len(fds) != len(arenas):
         raise ArenaError(f"got {len(fds)} arena fds for {len(arenas)} arenas",
                          "ask the daemon again; the reply was incomplete")
-    if mode == "copy":
-        pending = None
-    maps = [map_readonly(fd, size, where, device, pending) for fd, (size, where) in zip(fds, arenas)]
-    if mode == "copy":
-        maps = [m.clone() for m in maps]
-    return maps
+    if mode != "copy":
+        return [map_readonly(fd, size, where, device, pending) for fd, (size, where) in zip(fds, arenas)]
+    imported: list[Imported] = []
+    maps = [map_readonly(fd, size, where, device, imported) for fd, (size, where) in zip(fds, arenas)]
+    ready(imported)
+    copies = [m.clone() for m in maps]
+    if imported:
+        _unmap_once_copied(maps, imported)
+    return copies
+
+
+def _unmap_once_copied(maps: list[torch.Tensor], imported: list[Imported]) -> None:
+    """GPU maps that a copy reads, unmapped on the access thread once the copy is done: the caller
+    goes on (an engine builds its model) while the GPU copies. The copies are ordered on the
+    stream they were made on, as any tensor torch makes; the daemon's memory stays mapped, and so
+    allocated, until they are made, whatever the daemon does meanwhile."""
+    ordinal = imported[0].ordinal       # one device: map_readonly maps on `device` only
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(ordinal))
+    for each in imported:
+        each.read_by = copied
+    _access_jobs().put((_drop_when_done, ([maps, imported], copied, ordinal)))
 
 
 def from_table(data: bytes | bytearray, maps: list[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -139,11 +139,13 @@ ACCESS_JOBS = textwrap.dedent("""
         done, started, errors = _thread.allocate_lock(), _thread.allocate_lock(), []
         done.acquire()
         started.acquire()
-        arena._access_jobs().put((0, 1 << 21, 0, True, done, errors, started))
+        arena._access_jobs().put((arena._set_access, (0, 1 << 21, 0, True, done, errors, started)))
         assert started.acquire(timeout=10) and done.acquire(timeout=10), "the access thread did not answer"
         return type(errors[0]).__name__ if errors else "no error"
 
-    print(job(), job())
+    first = job()
+    arena._access_jobs().put((lambda: 1 / 0, ()))      # a job that fails: the thread serves on
+    print(first, job())
     pid = os.fork()
     if pid == 0:        # threads do not survive a fork: the child must start its own
         os._exit(0 if arena._jobs is None and job() == "ArenaError" else 1)
@@ -151,7 +153,7 @@ ACCESS_JOBS = textwrap.dedent("""
 """)
 
 
-def test_the_access_thread_reports_each_jobs_error_and_a_forked_child_starts_its_own():
+def test_the_access_thread_reports_each_jobs_error_survives_a_failing_job_and_a_forked_child_starts_its_own():
     out = subprocess.run([sys.executable, "-c", ACCESS_JOBS], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["ArenaError", "ArenaError", "0"], out.stdout + out.stderr
 
