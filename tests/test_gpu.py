@@ -106,7 +106,7 @@ def test_a_copy_leaves_no_map_behind_and_holds_the_caches_bytes(tmp_path, llama,
     spec = fast_start.WeightSpec(str(llama), quantization="none", engine_version="test")
 
     def mapped() -> int:
-        return sum(isinstance(o, arena.Imported) and o.ptr is not None for o in gc.get_objects())
+        return sum(type(o) is arena.Imported and o.ptr is not None for o in gc.get_objects())
     before = mapped()
     w = fast_start.fetch(spec, device="cuda:0", mode="copy", socket_dir=str(tmp_path / "run"), fallback=False)
     for _ in range(1000):
