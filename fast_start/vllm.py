@@ -320,16 +320,17 @@ def prepare(model: torch.nn.Module, weights: Weights, model_config, device: torc
         if differs:
             raise CacheMiss("this engine chose other kernels than the fill: " + "; ".join(differs),
                             "fill with the engine's settings (engine_env, kv_cache_dtype, worker python, GPU)")
+    modules = dict(model.named_modules())     # one walk for the installs: neither changes the tree
     if engine.get("stage", "loaded") == "loaded":
-        install(model, weights)
-        complete(model, engine, device)
+        install(modules, weights)
+        complete(modules, engine, device)
         with set_default_torch_dtype(model_config.dtype):
             vllm_utils.process_weights_after_loading(model, model_config, device)
         check_complete(model, engine)
         return
     from vllm.model_executor.utils import weights_already_processed
     install_processed(model, weights, engine)
-    complete(model, engine, device)
+    complete(modules, engine, device)
     recorded = vllm_state.per_module(engine["signature"])
     told = _mark_processed_online_layers(model, recorded)
     try:
@@ -444,65 +445,79 @@ def _find_kernel(method, described: str):
     return None
 
 
-def install(model: torch.nn.Module, weights: Weights) -> None:
-    """Point every parameter of `model` at its tensor in `weights` and copy the cached buffers in;
-    raises LoadError if any does not fit.
+def install(modules: dict[str, torch.nn.Module], weights: Weights) -> None:
+    """Point every parameter of a model (`modules`: its named modules) at its tensor in `weights`
+    and copy the cached buffers in; raises LoadError if any does not fit.
 
     A parameter built on the device keeps its object (`param.data = tensor`), with the attributes
     vLLM's weight loaders and reload path rely on; one built on meta (which cannot take a device
     tensor as its data) is replaced by a Parameter of its class with its attributes, as vLLM's own
     meta round trip does. Tied parameters are one object and get one tensor.
     """
-    params = dict(model.named_parameters())
-    own_buffers = dict(model.named_buffers())
-    buffers = set(weights.engine.get("buffers", ())) & set(weights) & own_buffers.keys()
-    wrong = [f"{n}: got {weights[n].dtype} {tuple(weights[n].shape)}, vLLM has {p.dtype} {tuple(p.shape)}"
+    params, own_buffers = _named(modules, "_parameters"), _named(modules, "_buffers")
+    tensors, aliases = weights.tensors, weights.aliases
+    cached = {n: tensors.get(aliases.get(n, n)) for n in [*params, *own_buffers]}
+    buffers = set(weights.engine.get("buffers", ())) & tensors.keys() & own_buffers.keys()
+    wrong = [f"{n}: got {t.dtype} {tuple(t.shape)}, vLLM has {p.dtype} {tuple(p.shape)}"
              for n, p in [*params.items(), *own_buffers.items()]
-             if n in weights and (weights[n].shape != p.shape or weights[n].dtype != p.dtype)]
-    missing = [n for n in params if n not in weights]
-    unexpected = [n for n in weights if n not in params and n not in buffers]
+             if (t := cached[n]) is not None and (t.shape != p.shape or t.dtype != p.dtype)]
+    missing = [n for n in params if cached[n] is None]
+    unexpected = [n for n in tensors if n not in params and n not in buffers]
     if missing or unexpected or wrong:
         raise fit_error(missing, unexpected, wrong, "build vLLM for the same model, TP size and dtype as the "
                         "daemon's [[model]] (layout = \"vllm\")")
     replaced: dict[int, torch.nn.Parameter] = {}
     for name, param in params.items():
         if not param.is_meta:
-            param.data = weights[name]
+            param.data = cached[name]
             continue
-        new = torch.nn.Parameter(weights[name], requires_grad=param.requires_grad)
+        new = torch.nn.Parameter(cached[name], requires_grad=param.requires_grad)
         new.__class__, new.__dict__ = param.__class__, dict(param.__dict__)
         replaced[id(param)] = new
-    modules = dict(model.named_modules())
     for module in modules.values():
         for key, param in module._parameters.items():
             if param is not None and id(param) in replaced:
                 module._parameters[key] = replaced[id(param)]
     for name in buffers:
         owner, _, leaf = name.rpartition(".")
-        modules[owner]._buffers[leaf] = weights[name].clone()
+        modules[owner]._buffers[leaf] = cached[name].clone()
 
 
-def complete(model: torch.nn.Module, engine: dict, device: torch.device) -> None:
-    """What a model built on meta lacks besides its parameters and buffers: the attributes the
-    fill recorded by value, and what vLLM recorded of it for `reload_weights` (`_mend_reload_record`).
-    A no-op for a model built on the device."""
+def _named(modules: dict[str, torch.nn.Module], table: str, unique: bool = True) -> dict[str, torch.Tensor]:
+    """Every module's parameters or buffers (`table`) by dotted name, as `named_parameters` and
+    `named_buffers` give them: with `unique`, a tensor held under several names by its first."""
+    out, seen = {}, set()
+    for prefix, module in modules.items():
+        for key, t in getattr(module, table).items():
+            if t is None or (unique and id(t) in seen):
+                continue
+            seen.add(id(t))
+            out[f"{prefix}.{key}" if prefix else key] = t
+    return out
+
+
+def complete(modules: dict[str, torch.nn.Module], engine: dict, device: torch.device) -> None:
+    """What a model built on meta (`modules`: its named modules) lacks besides its parameters and
+    buffers: the attributes the fill recorded by value, and what vLLM recorded of it for
+    `reload_weights` (`_mend_reload_record`). A no-op for a model built on the device."""
     if engine.get("attrs") is None:
         return
-    modules = dict(model.named_modules())
-    for name, record in engine["attrs"].items():
-        owner, _, key = name.rpartition(".")
-        if owner not in modules:
+    for name in engine["attrs"]:
+        if name.rpartition(".")[0] not in modules:
             raise CacheMiss(f"the fill recorded attribute {name} of a module this engine's model lacks",
                             "fill with the engine's vLLM, model, TP/PP size and dtype")
-        try:
-            setattr(modules[owner], key, vllm_state.made(record, device))
-        except (ValueError, TypeError, IndexError, RuntimeError) as e:
-            raise CacheMiss(f"the fill's record of attribute {name} is unusable ({e})",
-                            "evict the model (fast-start evict) so that it is filled again") from None
-    _mend_reload_record(model, device)
+    try:
+        values = vllm_state.made(engine["attrs"], device)
+    except vllm_state.RecordError as e:
+        raise CacheMiss(f"the fill's record of attribute {e.name} is unusable ({e.cause})",
+                        "evict the model (fast-start evict) so that it is filled again") from None
+    for name, value in values.items():
+        owner, _, key = name.rpartition(".")
+        setattr(modules[owner], key, value)
+    _mend_reload_record(modules.values(), device)
 
 
-def _mend_reload_record(model: torch.nn.Module, device: torch.device) -> None:
+def _mend_reload_record(modules, device: torch.device) -> None:
     """vLLM records each layer's device and tensors (as meta tensors) as it builds a model, for
     `reload_weights`. Built on meta, the device recorded is meta, and each non-persistent buffer
     was left out as an alias of a parameter (every meta tensor's storage has address 0): the
@@ -512,7 +527,7 @@ def _mend_reload_record(model: torch.nn.Module, device: torch.device) -> None:
         from vllm.model_executor.model_loader.reload.meta import capture_layer_to_meta
     except ImportError:       # a vLLM without layerwise reload
         return
-    for module in model.modules():
+    for module in modules:
         info = LAYERWISE_INFO.get(module)
         if info is None:
             continue

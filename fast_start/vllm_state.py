@@ -123,33 +123,52 @@ def held(model: torch.nn.Module):
     "param", "buffer", "attr" (directly in the module's attributes) or "nested" (in a list,
     tuple or dict there, or in a quant method's or kernel's own attributes)."""
     for name, module in model.named_modules():
-        for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
-            for key, t in table.items():
-                if t is not None:
-                    yield name, key, kind, t
+        for key, t in module._parameters.items():
+            if t is not None:
+                yield name, key, "param", t
+        for key, t in module._buffers.items():
+            if t is not None:
+                yield name, key, "buffer", t
         for key, value in vars(module).items():
-            if key in _MODULE_KEYS or isinstance(value, _SCALARS):
+            if key in _MODULE_KEYS:
                 continue
-            if isinstance(value, (torch.Tensor, torch.device)):
+            kind = _kind(type(value))
+            if kind == _HELD:
                 yield name, key, "attr", value
-            elif _container(value):
+            elif kind == _SEARCHED:
                 for inner in _inner(value, 2):
                     yield name, key, "nested", inner
 
 
-def _container(value) -> bool:
-    return isinstance(value, (list, tuple, dict)) or (
-        not isinstance(value, torch.nn.Module) and hasattr(value, "__dict__") and _NESTED.search(type(value).__name__))
+# What `held` does with a value, by its type (a model holds a few thousand values of a few dozen).
+_SKIPPED, _HELD, _SEARCHED = 0, 1, 2
+_KINDS: dict[type, int] = {}
+
+
+def _kind(cls: type) -> int:
+    kind = _KINDS.get(cls)
+    if kind is None:
+        if issubclass(cls, _SCALARS):
+            kind = _SKIPPED
+        elif issubclass(cls, (torch.Tensor, torch.device)):
+            kind = _HELD
+        elif issubclass(cls, (list, tuple, dict)) or (
+                not issubclass(cls, torch.nn.Module) and cls.__dictoffset__ and _NESTED.search(cls.__name__)):
+            kind = _SEARCHED
+        else:
+            kind = _SKIPPED
+        _KINDS[cls] = kind
+    return kind
 
 
 def _inner(value, depth: int):
-    if isinstance(value, (torch.Tensor, torch.device)):
+    kind = _kind(type(value))
+    if kind == _HELD:
         yield value
-    elif depth and _container(value):
+    elif depth and kind == _SEARCHED:
         for v in (value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple))
                   else vars(value).values()):
-            if not isinstance(v, _SCALARS):
-                yield from _inner(v, depth - 1)
+            yield from _inner(v, depth - 1)
 
 
 def is_meta(value) -> bool:
@@ -175,15 +194,39 @@ def small_attrs(model: torch.nn.Module) -> dict[str, list]:
     return out
 
 
-def made(record: list, device: torch.device):
-    """A value `small_attrs` recorded, on `device` where it was on an accelerator."""
-    if record[0] == "device":
-        return torch.device("cpu") if record[1] == "cpu" else device
-    dtype, shape, where, values = record
-    if not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}")
-    tensor = torch.tensor(values, dtype=getattr(torch, dtype), device="cpu").reshape(shape)
-    return tensor if where == "cpu" else tensor.to(device)
+class RecordError(Exception):
+    """A value `small_attrs` recorded that cannot be made again: `name` is its attribute."""
+
+    def __init__(self, name: str, cause: Exception):
+        super().__init__(f"{name}: {cause}")
+        self.name, self.cause = name, cause
+
+
+def made(records: dict[str, list], device: torch.device) -> dict[str, object]:
+    """The values `small_attrs` recorded, by name; those that were on an accelerator are on
+    `device`, moved there in one copy per dtype (a copy each would wait for the device each time:
+    a model records a few for every layer). Raises RecordError naming an unusable record."""
+    out: dict[str, object] = {}
+    moving: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, record in records.items():
+        try:
+            if record[0] == "device":
+                out[name] = torch.device("cpu") if record[1] == "cpu" else device
+                continue
+            dtype, shape, where, values = record
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(f"unknown dtype {dtype!r}")
+            tensor = torch.tensor(values, dtype=getattr(torch, dtype), device="cpu").reshape(shape)
+        except (ValueError, TypeError, IndexError, KeyError, RuntimeError) as e:
+            raise RecordError(name, e) from None
+        out[name] = tensor
+        if where != "cpu":
+            moving.setdefault(tensor.dtype, []).append((name, tensor))
+    for group in moving.values():
+        flat = torch.cat([t.reshape(-1) for _, t in group]).to(device)
+        for (name, t), part in zip(group, flat.split([t.numel() for _, t in group])):
+            out[name] = part.view(t.shape)
+    return out
 
 
 def registrations(vllm_config) -> tuple:

@@ -119,6 +119,25 @@ def test_a_copy_leaves_no_map_behind_and_holds_the_caches_bytes(tmp_path, llama,
         assert torch.equal(raw(w[name]), raw(disk[name])), name
 
 
+def test_recorded_attributes_are_made_on_the_gpu_in_one_copy_per_dtype_each_its_own_value():
+    """What a vLLM model built on meta gets back by value (`vllm_state.made`): records from an
+    accelerator land on the engine's GPU with their values, dtypes and shapes, each writable
+    without touching its neighbours; CPU records stay on the CPU."""
+    from fast_start import vllm_state
+    records = {f"layers.{i}.k_scale": ["float32", [], "cuda", [float(i)]] for i in range(40)}
+    records.update({"table": ["int64", [2, 3], "cuda", list(range(6))], "host": ["float32", [1], "cpu", [3.0]],
+                    "none": ["bfloat16", [0], "cuda", []], "where": ["device", "cuda"]})
+    got = vllm_state.made(records, torch.device("cuda:0"))
+    assert list(got) == list(records)
+    for i in range(40):
+        t = got[f"layers.{i}.k_scale"]
+        assert t.device == torch.device("cuda:0") and t.shape == () and t.item() == float(i)
+    assert got["table"].dtype == torch.int64 and got["table"].cpu().tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert got["host"].device.type == "cpu" and got["none"].shape == (0,) and got["where"] == torch.device("cuda:0")
+    got["layers.0.k_scale"].fill_(-1.0)
+    assert [got[f"layers.{i}.k_scale"].item() for i in range(3)] == [-1.0, 1.0, 2.0]
+
+
 def test_views_made_while_access_is_set_read_the_arena_and_a_failed_access_is_raised():
     """A map hands out its address before its access is set (`pending`); views made from it read
     the arena once `ready` returns, and a driver error of the access step reaches the caller."""

