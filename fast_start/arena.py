@@ -232,9 +232,8 @@ def warm_ups(device: torch.device) -> Iterator[None]:
         return
 
 
-def _set_access(ptr: int, size: int, ordinal: int, readonly: bool, done, errors: list, started=None) -> None:
-    if started is not None:
-        started.release()       # the caller waits for this, not for the access
+def _set_access(ptr: int, size: int, ordinal: int, readonly: bool, done, errors: list, started) -> None:
+    started.release()       # the caller waits for this, not for the access
     try:
         cudadrv.set_access(ptr, size, ordinal, readonly)
     except Exception as e:     # whatever it is, the caller must not read the range

@@ -483,13 +483,13 @@ def install(modules: dict[str, torch.nn.Module], weights: Weights) -> None:
         modules[owner]._buffers[leaf] = cached[name].clone()
 
 
-def _named(modules: dict[str, torch.nn.Module], table: str, unique: bool = True) -> dict[str, torch.Tensor]:
+def _named(modules: dict[str, torch.nn.Module], table: str) -> dict[str, torch.Tensor]:
     """Every module's parameters or buffers (`table`) by dotted name, as `named_parameters` and
-    `named_buffers` give them: with `unique`, a tensor held under several names by its first."""
+    `named_buffers` give them: a tensor held under several names by its first."""
     out, seen = {}, set()
     for prefix, module in modules.items():
         for key, t in getattr(module, table).items():
-            if t is None or (unique and id(t) in seen):
+            if t is None or id(t) in seen:
                 continue
             seen.add(id(t))
             out[f"{prefix}.{key}" if prefix else key] = t
