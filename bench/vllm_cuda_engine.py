@@ -4,7 +4,8 @@
 
 Reports greedy tokens for fixed prompts, a digest of every parameter and buffer, the parameters
 whose memory lies inside PyTorch's CUDA allocator (`torch.cuda.memory_snapshot` segments: a
-zero-copy parameter lies in a mapped arena instead), the weights' source and the loader's stage.
+zero-copy parameter lies in a mapped arena instead), the weights' source, the loader's stage and
+the attention backend modules the engine imported.
 """
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ def report(model: torch.nn.Module) -> dict:
     h = hashlib.sha256()
     for n, t in sorted([*model.named_parameters(), *model.named_buffers()]):
         h.update(f"{n}\0{t.dtype}\0{tuple(t.shape)}\0{checksum(t)}".encode())
+    # Which of vLLM's attention backends the engine imported: vLLM's own choice imports every candidate.
+    backends = sorted(m for m in sys.modules if m.startswith("vllm.v1.attention.backends."))
     return {"digest": h.hexdigest()[:24], "inside_allocator": inside[:20], "inside_count": len(inside),
+            "attention_modules": backends,
             "params": sum(1 for _ in model.parameters()), "source": getattr(model, "fast_start_source", None)}
 
 

@@ -9,8 +9,9 @@
 1. asks the daemon for this rank's tensors (`fetch`, fingerprint from vLLM's own view: the
    checkpoint's headers, architecture, TP and PP size, global rank, dtype, quantization,
    revision, `vllm.__version__`, the KV-cache dtype and the kernel-selecting variables);
-2. on a hit, builds vLLM's model without weight memory and compares its kernel plan with the
-   fill's: on `meta` where the fill found that the cache completes such a model (its manifest
+2. on a hit, builds vLLM's model without weight memory (naming the attention backends vLLM
+   chose in the fill, where the selection's inputs are the same: `vllm_attention`) and compares
+   its kernel plan with the fill's: on `meta` where the fill found that the cache completes such a model (its manifest
    then records the small attributes a meta build leaves without a value); otherwise on the
    target device with every parameter's storage released as it is registered (vLLM computes its
    buffers for real);
@@ -47,7 +48,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from . import vllm_rules, vllm_state
+from . import vllm_attention, vllm_rules, vllm_state
 from .client import MODES, Weights, cached_bytes, fetch, fit_error, release
 from .errors import CacheMiss, FastStartError, QuantizationError
 from .fingerprint import WeightSpec
@@ -190,7 +191,8 @@ class FastStartLoader(BaseModelLoader):
                             connect_timeout=o.connect_timeout_s)
             clock.append(time.perf_counter())
             on_meta = weights.engine.get("attrs") is not None
-            model = build(vllm_config, model_config, prefix, device, on_meta)
+            with vllm_attention.choosing(weights.engine.get("attention")):
+                model = build(vllm_config, model_config, prefix, device, on_meta)
             clock.append(time.perf_counter())
             prepare(model, weights, model_config, device)
             clock.append(time.perf_counter())

@@ -7,7 +7,8 @@ bytes come from the engine's own vLLM, torch and kernels. For the rank the daemo
    config from the model's settings, and stands in for the TP and PP groups with groups of one
    process that pose as rank r of n (any collective raises: a fill that needs peers fails loudly);
 2. builds vLLM's model for that rank (any architecture vLLM supports) and records the kernel
-   plan, loads the checkpoint with vLLM's default loader, and
+   plan and the attention backends vLLM chose (`vllm_attention`), loads the checkpoint with
+   vLLM's default loader, and
 3. either runs `process_weights_after_loading` and exports every parameter and buffer
    (stage "processed"; the engine installs them under vLLM's `weights_already_processed()`), or
    exports the parameters as loaded (stage "loaded"; the engine runs the processing itself). The
@@ -32,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from . import arena as arenas
-from . import vllm_rules, vllm_state
+from . import vllm_attention, vllm_rules, vllm_state
 from .errors import FastStartError
 from .fingerprint import WeightSpec, fingerprint
 from .manifest import ALIGN, ArenaEntry, Manifest, TensorEntry
@@ -142,8 +143,9 @@ def _fill(spec: WeightSpec, want, config, device: str, stage: str, progress) -> 
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     model_config, target = config.model_config, torch.device(device)
+    attention: list[dict] = []
     with set_current_vllm_config(config), one_rank(spec):
-        with set_default_torch_dtype(model_config.dtype), target:
+        with set_default_torch_dtype(model_config.dtype), target, vllm_attention.recording(attention):
             model = loader_utils.initialize_model(vllm_config=config, model_config=model_config)
         plan = vllm_state.kernel_plan(model)
         built = {n for n, _ in model.named_parameters()}
@@ -151,7 +153,7 @@ def _fill(spec: WeightSpec, want, config, device: str, stage: str, progress) -> 
         loader.counter_before_loading_weights = time.perf_counter()
         loader.load_weights(model, model_config)
         attrs = vllm_state.small_attrs(model)     # as the engine's model holds them before processing
-        engine = {"engine": "vllm", "stage": stage, "plan": plan}
+        engine = {"engine": "vllm", "stage": stage, "plan": plan, "attention": attention}
         if stage == "processed":
             with set_default_torch_dtype(model_config.dtype):
                 loader_utils.process_weights_after_loading(model, model_config, target)

@@ -138,6 +138,41 @@ def test_recorded_attributes_are_made_on_the_gpu_in_one_copy_per_dtype_each_its_
     assert [got[f"layers.{i}.k_scale"].item() for i in range(3)] == [-1.0, 1.0, 2.0]
 
 
+ATTENTION_PROBE = textwrap.dedent("""
+    import json, sys, torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.v1.attention import selector
+    from fast_start import vllm_attention
+    noted = json.loads(sys.argv[1])
+    with set_current_vllm_config(VllmConfig()):
+        context = vllm_attention.recording(noted) if sys.argv[2] == "record" else vllm_attention.choosing(noted)
+        with context:
+            backend = selector.get_attn_backend(128, torch.bfloat16, "auto")
+    print(json.dumps({"backend": backend.get_name(), "noted": noted,
+                      "modules": sorted(m for m in sys.modules if m.startswith("vllm.v1.attention.backends."))}))
+""")
+
+
+def test_the_fills_attention_backend_is_chosen_again_alone_and_a_refused_one_is_vllms_choice():
+    """On the GPU, in fresh processes (what a restart is): vLLM's own choice of attention backend
+    tries its candidates; named again from the fill's note it is the same backend with fewer
+    backend modules imported; a noted backend vLLM refuses for these inputs is vLLM's own choice."""
+    pytest.importorskip("vllm")
+
+    def probe(noted: list, how: str) -> dict:
+        out = subprocess.run([sys.executable, "-c", ATTENTION_PROBE, json.dumps(noted), how], capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.splitlines()[-1])
+    own = probe([], "record")
+    assert [e["backend"] for e in own["noted"]] == [own["backend"]]
+    again = probe(own["noted"], "choose")
+    assert again["backend"] == own["backend"]
+    assert set(again["modules"]) < set(own["modules"]), (again["modules"], own["modules"])
+    refused = probe([{**own["noted"][0], "backend": "FLASHMLA"}], "choose")     # an MLA backend, for MHA inputs
+    assert refused["backend"] == own["backend"]
+
+
 def test_views_made_while_access_is_set_read_the_arena_and_a_failed_access_is_raised():
     """A map hands out its address before its access is set (`pending`); views made from it read
     the arena once `ready` returns, and a driver error of the access step reaches the caller."""

@@ -343,6 +343,50 @@ def test_kernel_plan_and_signature_decide_between_cache_and_default_loader(tmp_p
         assert "pre-processed pass left other state" in log and "emulated_processed True -> unset" in log
 
 
+def test_the_fills_attention_backend_is_named_again_only_for_the_same_inputs(monkeypatch):
+    """The fill notes vLLM's own attention backend choice once per distinct selector inputs (not a
+    backend the user named); an engine's selection with those inputs names it to vLLM, as
+    `--attention-backend` would, and gets the same class; other inputs, or a name this vLLM does
+    not know, are vLLM's own choice."""
+    from vllm.config import AttentionConfig, VllmConfig, set_current_vllm_config
+    from vllm.platforms import current_platform
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from fast_start import vllm_attention
+
+    asked, platform_choice = [], current_platform.get_attn_backend_cls
+
+    def watched(selected_backend, *args, **kwargs):     # vLLM's platform, told what it was asked
+        asked.append(selected_backend)
+        return platform_choice(selected_backend, *args, **kwargs)
+    monkeypatch.setattr(current_platform, "get_attn_backend_cls", watched)
+    original = selector._cached_get_attn_backend
+    original.cache_clear()
+    noted: list[dict] = []
+    with set_current_vllm_config(VllmConfig()):
+        with vllm_attention.recording(noted):
+            own = selector.get_attn_backend(32, torch.bfloat16, "auto")
+            selector.get_attn_backend(32, torch.bfloat16, "auto")
+            selector.get_attn_backend(64, torch.bfloat16, "auto")
+    with set_current_vllm_config(VllmConfig(attention_config=AttentionConfig(backend="CPU_ATTN"))):
+        with vllm_attention.recording(noted):
+            selector.get_attn_backend(128, torch.bfloat16, "auto")      # the user's choice: not noted
+    assert [e["backend"] for e in noted] == [own.get_name()] * 2
+    assert '"head_size": "32"' in noted[0]["inputs"] and '"head_size": "64"' in noted[1]["inputs"]
+    assert selector._cached_get_attn_backend is original
+
+    original.cache_clear()
+    asked.clear()
+    with set_current_vllm_config(VllmConfig()):
+        with vllm_attention.choosing(noted):
+            assert selector.get_attn_backend(32, torch.bfloat16, "auto") is own
+            selector.get_attn_backend(128, torch.bfloat16, "auto")      # inputs the fill never saw
+        with vllm_attention.choosing([{**noted[1], "backend": "NO_SUCH_BACKEND"}]):
+            assert selector.get_attn_backend(64, torch.bfloat16, "auto") is own
+    assert asked == [AttentionBackendEnum[own.get_name()], None, None]
+    assert selector._cached_get_attn_backend is original
+
+
 def test_a_model_built_on_meta_with_a_tensor_left_there_is_a_miss_naming_it():
     """The last check of an engine that built on meta: anything still on meta after the cache was
     installed (a tensor in a kernel object's list here) is a miss that names where it is held."""

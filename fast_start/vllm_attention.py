@@ -1,0 +1,99 @@
+"""vLLM's attention backend: chosen once by the fill, named again by the engine.
+
+Without `--attention-backend`, a vLLM process's first attention layer tries every backend its
+platform lists for the layer's inputs, importing each (flex attention, turboquant, their triton
+kernels: 36-57 ms of a 90-150 ms build of Qwen3-8B on meta, vLLM 0.26 on an H200; 2-4 ms with
+the backend named), and takes the first valid one. That choice is a function of the selector's
+arguments (head size, dtypes, KV-cache dtype, block size, MLA, sinks, ...), the GPU's compute
+capability and vLLM itself, which the fingerprint pins. So the fill notes, for each selection its
+build made, those inputs and vLLM's choice (`recording`), and the engine's build names the noted
+backend where a selection's inputs are the same (`choosing`), as `--attention-backend` would:
+vLLM validates it and imports it alone. A selection with other inputs, one whose backend the
+user named (`--attention-backend`, per-kind overrides), or a noted backend that vLLM refuses
+here goes vLLM's own way.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def recording(out: list[dict]) -> Iterator[None]:
+    """While inside, each selection vLLM makes itself is noted in `out` as {"inputs", "backend"}
+    (once per distinct inputs)."""
+    selector = _selector()
+    if selector is None:
+        yield
+        return
+    original = selector._cached_get_attn_backend
+    signature = inspect.signature(original)
+
+    def record(*args, **kwargs):
+        backend = original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("backend") is None:
+            entry = {"inputs": _inputs(bound), "backend": backend.get_name()}
+            if entry not in out:
+                out.append(entry)
+        return backend
+
+    selector._cached_get_attn_backend = record
+    try:
+        yield
+    finally:
+        selector._cached_get_attn_backend = original
+
+
+@contextlib.contextmanager
+def choosing(noted: list[dict] | None) -> Iterator[None]:
+    """While inside, a selection whose inputs the fill noted names the backend vLLM chose there."""
+    selector = _selector()
+    if not noted or selector is None:
+        yield
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    original = selector._cached_get_attn_backend
+    signature = inspect.signature(original)
+    chosen = {entry["inputs"]: entry["backend"] for entry in noted}
+
+    def choose(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        name = chosen.get(_inputs(bound)) if bound.arguments.get("backend") is None else None
+        if name in AttentionBackendEnum.__members__:
+            bound.arguments["backend"] = AttentionBackendEnum[name]
+            try:
+                return original(*bound.args, **bound.kwargs)
+            except Exception:      # noqa: BLE001 - vLLM refuses it here: its own choice decides
+                pass
+        return original(*args, **kwargs)
+
+    selector._cached_get_attn_backend = choose
+    try:
+        yield
+    finally:
+        selector._cached_get_attn_backend = original
+
+
+def _selector():
+    try:
+        from vllm.v1.attention import selector
+    except ImportError:
+        return None
+    return selector if hasattr(selector, "_cached_get_attn_backend") else None
+
+
+def _inputs(bound: inspect.BoundArguments) -> str:
+    """A selection's arguments but the backend, and the GPU's capability, as one string."""
+    from vllm.platforms import current_platform
+
+    bound.apply_defaults()
+    out = {"capability": repr(current_platform.get_device_capability())}
+    for key, value in bound.arguments.items():
+        if key != "backend":
+            out[key] = ({k: repr(v) for k, v in value._asdict().items()} if hasattr(value, "_asdict")
+                        else repr(value))
+    return json.dumps(out, sort_keys=True)
