@@ -11,10 +11,10 @@
    revision, `vllm.__version__`, the KV-cache dtype and the kernel-selecting variables);
 2. on a hit, builds vLLM's model without weight memory (naming the attention backends vLLM
    chose in the fill, where the selection's inputs are the same: `vllm_attention`) and compares
-   its kernel plan with the fill's: on `meta` where the fill found that the cache completes such a model (its manifest
-   then records the small attributes a meta build leaves without a value); otherwise on the
-   target device with every parameter's storage released as it is registered (vLLM computes its
-   buffers for real);
+   its kernel plan with the fill's: on `meta` where the fill found that the cache completes such
+   a model (its manifest then records the small attributes a meta build leaves without a value);
+   otherwise on the target device with every parameter's storage released as it is registered
+   (vLLM computes its buffers for real);
 3. installs the cached tensors: for stage "processed" (vLLM's state after
    `process_weights_after_loading`), every parameter and buffer, dropping what processing
    dropped, then runs vLLM's pre-processed pass (`weights_already_processed()`), mends the gaps
