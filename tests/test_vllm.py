@@ -391,7 +391,7 @@ def test_a_model_built_on_meta_with_a_tensor_left_there_is_a_miss_naming_it():
     """The last check of an engine that built on meta: anything still on meta after the cache was
     installed (a tensor in a kernel object's list here) is a miss that names where it is held."""
     from fast_start.errors import CacheMiss
-    from fast_start.vllm import check_complete
+    from fast_start.vllm_install import check_complete
 
     class Kernel:
         def __init__(self, device):
@@ -410,7 +410,7 @@ def test_a_meta_builds_recorded_attributes_are_made_again_and_a_bad_record_is_a_
     from an accelerator moved in one copy per dtype, each its own tensor); a record it cannot
     make again is a miss that names the attribute, and the model is left as it was."""
     from fast_start.errors import CacheMiss
-    from fast_start.vllm import complete
+    from fast_start.vllm_install import complete
 
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
