@@ -51,14 +51,15 @@ def recording(out: list[dict]) -> Iterator[None]:
 def choosing(noted: list[dict] | None) -> Iterator[None]:
     """While inside, a selection whose inputs the fill noted names the backend vLLM chose there."""
     selector = _selector()
-    if not noted or selector is None:
+    if not isinstance(noted, list) or not noted or selector is None:
         yield
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     original = selector._cached_get_attn_backend
     signature = inspect.signature(original)
-    chosen = {entry["inputs"]: entry["backend"] for entry in noted}
+    chosen = {e["inputs"]: e["backend"] for e in noted       # a malformed note names nothing
+              if isinstance(e, dict) and isinstance(e.get("inputs"), str) and isinstance(e.get("backend"), str)}
 
     def choose(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)

@@ -347,7 +347,7 @@ def test_the_fills_attention_backend_is_named_again_only_for_the_same_inputs(mon
     """The fill notes vLLM's own attention backend choice once per distinct selector inputs (not a
     backend the user named); an engine's selection with those inputs names it to vLLM, as
     `--attention-backend` would, and gets the same class; other inputs, or a name this vLLM does
-    not know, are vLLM's own choice."""
+    not know, or a malformed note, are vLLM's own choice."""
     from vllm.config import AttentionConfig, VllmConfig, set_current_vllm_config
     from vllm.platforms import current_platform
     from vllm.v1.attention import selector
@@ -381,8 +381,11 @@ def test_the_fills_attention_backend_is_named_again_only_for_the_same_inputs(mon
         with vllm_attention.choosing(noted):
             assert selector.get_attn_backend(32, torch.bfloat16, "auto") is own
             selector.get_attn_backend(128, torch.bfloat16, "auto")      # inputs the fill never saw
-        with vllm_attention.choosing([{**noted[1], "backend": "NO_SUCH_BACKEND"}]):
+        with vllm_attention.choosing([{**noted[1], "backend": "NO_SUCH_BACKEND"}, ["not", "a", "note"],
+                                      {"inputs": [1], "backend": own.get_name()}]):
             assert selector.get_attn_backend(64, torch.bfloat16, "auto") is own
+        with vllm_attention.choosing({"not": "a list"}):
+            assert selector.get_attn_backend(128, torch.bfloat16, "auto") is own
     assert asked == [AttentionBackendEnum[own.get_name()], None, None]
     assert selector._cached_get_attn_backend is original
 
