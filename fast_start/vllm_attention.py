@@ -33,11 +33,9 @@ def recording(out: list[dict]) -> Iterator[None]:
 
     def record(*args, **kwargs):
         backend = original(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        if bound.arguments.get("backend") is None:
-            entry = {"inputs": _inputs(bound), "backend": backend.get_name()}
-            if entry not in out:
-                out.append(entry)
+        entry = _noted(signature, args, kwargs, backend)
+        if entry is not None and entry not in out:
+            out.append(entry)
         return backend
 
     selector._cached_get_attn_backend = record
@@ -62,8 +60,11 @@ def choosing(noted: list[dict] | None) -> Iterator[None]:
               if isinstance(e, dict) and isinstance(e.get("inputs"), str) and isinstance(e.get("backend"), str)}
 
     def choose(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        name = chosen.get(_inputs(bound)) if bound.arguments.get("backend") is None else None
+        try:
+            bound = signature.bind(*args, **kwargs)
+            name = chosen.get(_inputs(bound)) if bound.arguments.get("backend") is None else None
+        except Exception:      # noqa: BLE001 - a call this module cannot describe: vLLM's own choice
+            name = None
         if name in AttentionBackendEnum.__members__:
             bound.arguments["backend"] = AttentionBackendEnum[name]
             try:
@@ -85,6 +86,18 @@ def _selector():
     except ImportError:
         return None
     return selector if hasattr(selector, "_cached_get_attn_backend") else None
+
+
+def _noted(signature: inspect.Signature, args, kwargs, backend) -> dict | None:
+    """The note of one selection vLLM made itself; None where the caller named the backend, or
+    where the inputs cannot be described (the fill goes on without the note)."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("backend") is not None:
+            return None
+        return {"inputs": _inputs(bound), "backend": backend.get_name()}
+    except Exception:      # noqa: BLE001 - a note is an optimisation, never a reason for a fill to fail
+        return None
 
 
 def _inputs(bound: inspect.BoundArguments) -> str:
