@@ -5,7 +5,9 @@
 For each model: a CUDA daemon filled by vLLM itself (layout "vllm", engine_version "auto"), then
 engines as fresh processes: vLLM's default loader, `fast_start` zero_copy and copy. Writes
 OUTDIR/summary.json (tokens equal, parameters inside PyTorch's allocator, digests, vLLM's
-"Model loading took" and "Available KV cache memory" lines) and every process's log. Needs vLLM's CUDA build importable.
+"Model loading took" and "Available KV cache memory" lines) and every process's log, and prints each model's engines by
+loader (medians of `Model loading took` and `LLM(...)`, the default loader's median over each).
+Needs vLLM's CUDA build importable.
 """
 from __future__ import annotations
 
@@ -13,10 +15,14 @@ import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
 
 from devtools import synth
 
@@ -91,6 +97,39 @@ def first_difference(a: dict, b: dict) -> dict | None:
     return None
 
 
+def seconds(line: list[str]) -> float | None:
+    """The seconds of vLLM's "Model loading took X GiB and S seconds" line."""
+    m = re.search(r"and ([\d.]+) seconds", line[0]) if line else None
+    return float(m.group(1)) if m else None
+
+
+def table(name: str, r: dict) -> Table:
+    """One model's engines by loader: `Model loading took` and `LLM(...)` (medians, ranges), the
+    default loader's median over each loader's, and how many engines matched its tokens and digest."""
+    out = Table(title=f"{name}: vLLM {r.get('vllm', '')} engines, fresh processes")
+    for col in ("loader", "engines", "Model loading took s", "range s", "default / this", "LLM(...) s",
+                "same tokens", "same digest"):
+        out.add_column(col, justify="right")
+    by = {}
+    for label, e in r.items():
+        if isinstance(e, dict) and "rc" in e:
+            by.setdefault(re.sub(r"-\d+$", "", label), []).append(e)
+    base = statistics.median([x for e in by.get("default", []) if (x := seconds(e["loading"])) is not None] or [0])
+    for loader, engines in by.items():
+        took = [x for e in engines if (x := seconds(e["loading"])) is not None]
+        llm = [e["llm_s"] for e in engines if "llm_s" in e]
+        if not took:
+            out.add_row(loader, str(len(engines)), "failed", "", "", "", "", "")
+            continue
+        mid, failed = statistics.median(took), len(engines) - len(took)
+        out.add_row(loader, f"{len(took)}" + (f" ({failed} failed)" if failed else ""), f"{mid:.3f}",
+                    f"{min(took):.3f}-{max(took):.3f}",
+                    f"{base / mid:.1f}x" if base else "", f"{statistics.median(llm):.2f}" if llm else "",
+                    "" if loader == "default" else f"{sum(bool(e.get('same_tokens')) for e in engines)}/{len(engines)}",
+                    "" if loader == "default" else f"{sum(bool(e.get('same_digest')) for e in engines)}/{len(engines)}")
+    return out
+
+
 def daemon(models: dict[str, Path]):
     run_dir = WORK / "run"
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -159,6 +198,9 @@ def main() -> None:
         proc.terminate()
         proc.wait(60)
         (OUT / "summary.json").write_text(json.dumps(summary, indent=1))
+        for name in chosen:
+            if name in summary:
+                Console().print(table(name, {"vllm": summary["vllm"], **summary[name]}))
 
 
 if __name__ == "__main__":
