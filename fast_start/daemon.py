@@ -322,12 +322,17 @@ class Daemon:
         return self.bind()
 
     # -- serving -------------------------------------------------------------------------------
-    def serve(self, listener: socket.socket, wake: int) -> None:
-        self.server.start()
+    def prepare_serving(self, listener: socket.socket, wake: int) -> None:
+        """Everything the serving loop holds (its epoll, the first connection thread), made before
+        READY: a ready daemon's descriptors are those it serves with, and a failure here is a
+        failed start."""
         self.epoll = select.epoll()
         for fd in (listener.fileno(), wake, self.watch.fd):
             if fd >= 0:
                 self.epoll.register(fd, select.EPOLLIN)
+        self.server.start()
+
+    def serve(self, listener: socket.socket, wake: int) -> None:
         interval = notify.watchdog_interval()
         next_ping = next_metrics = time.monotonic()
         while not self.stop.is_set():
@@ -402,6 +407,7 @@ class Daemon:
         try:
             try:
                 listener = self.start()
+                self.prepare_serving(listener, wake_r)
             except BaseException as e:
                 if self.stop.is_set():       # SIGTERM during the start: a clean stop, not a failure
                     return 0
