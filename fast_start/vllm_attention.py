@@ -5,7 +5,9 @@ platform lists for the layer's inputs, importing each (flex attention, turboquan
 kernels: 36-57 ms of a 90-150 ms build of Qwen3-8B on meta, vLLM 0.26 on an H200; 2-4 ms with
 the backend named), and takes the first valid one. That choice is a function of the selector's
 arguments (head size, dtypes, KV-cache dtype, block size, MLA, sinks, ...), the GPU's compute
-capability and vLLM itself, which the fingerprint pins. So the fill notes, for each selection its
+capability, vLLM itself (which the fingerprint pins) and the backends' libraries the interpreter
+has (the fill runs the engine's interpreter; where it does not, a backend the engine's lacks is
+refused by vLLM here and it chooses itself). So the fill notes, for each selection its
 build made, those inputs and vLLM's choice (`recording`), and the engine's build names the noted
 backend where a selection's inputs are the same (`choosing`), as `--attention-backend` would:
 vLLM validates it and imports it alone. A selection with other inputs, one whose backend the
