@@ -26,60 +26,81 @@ from collections.abc import Iterator
 def recording(out: list[dict]) -> Iterator[None]:
     """While inside, each selection vLLM makes itself is noted in `out` as {"inputs", "backend"}
     (once per distinct inputs)."""
-    selector = _selector()
-    if selector is None:
-        yield
-        return
-    original = selector._cached_get_attn_backend
-    signature = inspect.signature(original)
+    def wrap(original, signature):
+        def record(*args, **kwargs):
+            backend = original(*args, **kwargs)
+            entry = _noted(signature, args, kwargs, backend)
+            if entry is not None and entry not in out:
+                out.append(entry)
+            return backend
+        return record
 
-    def record(*args, **kwargs):
-        backend = original(*args, **kwargs)
-        entry = _noted(signature, args, kwargs, backend)
-        if entry is not None and entry not in out:
-            out.append(entry)
-        return backend
-
-    selector._cached_get_attn_backend = record
-    try:
+    with _selection_wrapped(wrap):
         yield
-    finally:
-        selector._cached_get_attn_backend = original
 
 
 @contextlib.contextmanager
 def choosing(noted: list[dict] | None) -> Iterator[None]:
     """While inside, a selection whose inputs the fill noted names the backend vLLM chose there."""
-    selector = _selector()
-    if not isinstance(noted, list) or not noted or selector is None:
+    if not isinstance(noted, list) or not noted:
         yield
         return
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    original = selector._cached_get_attn_backend
-    signature = inspect.signature(original)
     chosen = {e["inputs"]: e["backend"] for e in noted       # a malformed note names nothing
               if isinstance(e, dict) and isinstance(e.get("inputs"), str) and isinstance(e.get("backend"), str)}
 
-    def choose(*args, **kwargs):
-        try:
-            bound = signature.bind(*args, **kwargs)
-            name = chosen.get(_inputs(bound)) if bound.arguments.get("backend") is None else None
-        except Exception:      # noqa: BLE001 - a call this module cannot describe: vLLM's own choice
-            name = None
-        if name in AttentionBackendEnum.__members__:
-            bound.arguments["backend"] = AttentionBackendEnum[name]
-            try:
-                return original(*bound.args, **bound.kwargs)
-            except Exception:      # noqa: BLE001 - vLLM refuses it here: its own choice decides
-                pass
-        return original(*args, **kwargs)
+    def wrap(original, signature):
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        named: dict = {}        # each layer of a model asks with the same arguments: described once
 
-    selector._cached_get_attn_backend = choose
+        def choose(*args, **kwargs):
+            key = (args, tuple(sorted(kwargs.items())))     # hashable where vLLM's own cache can key on them
+            try:
+                call = named[key] if key in named else named.setdefault(
+                    key, _named(signature, args, kwargs, chosen, AttentionBackendEnum))
+            except TypeError:       # unhashable: vLLM's cache refuses the call itself
+                call = None
+            if call is not None:
+                try:
+                    return original(*call[0], **call[1])
+                except Exception:      # noqa: BLE001 - vLLM refuses it here: its own choice decides
+                    pass
+            return original(*args, **kwargs)
+        return choose
+
+    with _selection_wrapped(wrap):
+        yield
+
+
+@contextlib.contextmanager
+def _selection_wrapped(wrap) -> Iterator[None]:
+    """While inside, vLLM's cached backend selection is `wrap(original, its signature)`."""
+    selector = _selector()
+    if selector is None:
+        yield
+        return
+    original = selector._cached_get_attn_backend
+    selector._cached_get_attn_backend = wrap(original, inspect.signature(original))
     try:
         yield
     finally:
         selector._cached_get_attn_backend = original
+
+
+def _named(signature: inspect.Signature, args, kwargs, chosen: dict[str, str], enum) -> tuple | None:
+    """This call's (args, kwargs) with the fill's backend named; None where the call
+    names one itself, the fill noted other inputs or a backend this vLLM does not know, or the
+    call cannot be described (vLLM's own choice)."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("backend") is not None:
+            return None
+        name = chosen.get(_inputs(bound))
+    except Exception:      # noqa: BLE001 - a call this module cannot describe: vLLM's own choice
+        return None
+    if name not in enum.__members__:
+        return None
+    bound.arguments["backend"] = enum[name]
+    return bound.args, bound.kwargs
 
 
 def _selector():
