@@ -167,11 +167,14 @@ class Imported:
 
 
 _jobs: SimpleQueue | None = None
+_view_queues: list[SimpleQueue] | None = None
+_VIEWS_APART = 2048         # tables of fewer tensors are made by the caller alone (`_views_of`)
+_VIEW_THREADS = 3
 
 
 def _forget_access_thread() -> None:
-    global _jobs
-    _jobs = None            # a forked child has no access thread: its first map starts its own
+    global _jobs, _view_queues
+    _jobs = _view_queues = None     # a forked child has none of the threads: its first fetch starts its own
 
 
 os.register_at_fork(after_in_child=_forget_access_thread)
@@ -183,12 +186,25 @@ def _access_jobs() -> SimpleQueue:
     global _jobs
     if _jobs is None:
         jobs = SimpleQueue()
-        _thread.start_new_thread(_serve_access, (jobs,))
+        _thread.start_new_thread(_serve, (jobs,))
         _jobs = jobs
     return _jobs
 
 
-def _serve_access(jobs: SimpleQueue) -> None:
+def _view_workers() -> list[SimpleQueue]:
+    """The queues of the threads that make views of large tables (`_views_of`), one each, started on
+    first use (`warm_ups` starts them while the daemon answers): as many as the CPUs this process
+    may run on allow, besides its own, up to three; none on one CPU."""
+    global _view_queues
+    if _view_queues is None:
+        queues = [SimpleQueue() for _ in range(min(_VIEW_THREADS, len(os.sched_getaffinity(0)) - 1))]
+        for queue in queues:
+            _thread.start_new_thread(_serve, (queue,))
+        _view_queues = queues
+    return _view_queues
+
+
+def _serve(jobs: SimpleQueue) -> None:
     while True:
         job, args = jobs.get()
         try:
@@ -211,7 +227,8 @@ def warm_ups(device: torch.device) -> Iterator[None]:
     """What a process's first map of arenas on `device` and first views of them would do, one step
     per `next()`, for a fetch to run while the daemon answers: start the access thread, then make a
     tensor from an array interface, a dtype view, a strided view and an `unbind` of a tiny tensor
-    (torch's first call of each took 0.05-0.15 ms of a fetch on the H200). A fetch stops when the
+    (torch's first call of each took 0.05-0.15 ms of a fetch on the H200), then start the view
+    threads (a large table's views are made on them: `_views_of`). A fetch stops when the
     reply arrives: the map and the views then pay what is left after the access has begun, where it
     overlaps the access instead of delaying it. Nothing it makes is kept."""
     try:
@@ -228,6 +245,8 @@ def warm_ups(device: torch.device) -> Iterator[None]:
         yield
         with torch.inference_mode():        # no step ends inside it: the caller's mode is never changed
             probe.as_strided((2, 2), (2, 1), 0).unbind(0)
+        yield
+        _view_workers()
     except Exception:       # a warm-up only: whatever failed here, the map itself does again and reports
         return
 
@@ -301,7 +320,8 @@ def _unmap_once_copied(maps: list[torch.Tensor], imported: list[Imported]) -> No
 def from_table(data: bytes | bytearray, maps: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every tensor of a tensor table (`table.py`) as a view into the mapped arenas `maps`.
 
-    One view per run (its tensors along a leading dimension), split with `unbind`. Each run is
+    One view per run (its tensors along a leading dimension), split with `unbind`; a table of
+    thousands of tensors is split in parts on the view threads at once (`_views_of`). Each run is
     checked exactly (arena, dtype, shape against nbytes, alignment, its last element inside its
     arena) before its view is made, so a damaged or hostile table cannot make a view reach
     outside an arena.
@@ -326,27 +346,83 @@ def from_table(data: bytes | bytearray, maps: list[torch.Tensor]) -> dict[str, t
                 dtypes.torch_dtype(dtypes.TABLE[code].name))
         runs.append((typed[arena, code], count, shape, stride, step // itemsize, offset // itemsize))
         first += count
-    tensors: list[torch.Tensor] = []
     collecting = gc.isenabled()
     gc.disable()        # thousands of new tensors would start a full collection of the engine's heap
     try:
-        # Strided views made in inference mode skip autograd's view tracking (about half of their
-        # cost); of a normal tensor they are normal tensors, which may become Parameters or (in
-        # copy mode) be written in place. The dtype views above are made outside it: one made in
-        # it would be an inference tensor, and so would every view of it.
-        with torch.inference_mode():
-            for view, count, shape, stride, step, offset in runs:
-                if count == 1:
-                    tensors.append(view.as_strided(shape, stride, offset))
-                else:
-                    tensors.extend(view.as_strided((count, *shape), (step, *stride), offset).unbind(0))
-        out = dict(zip(names, tensors))
+        out = dict(zip(names, _views_of(runs, len(names))))
     finally:
         if collecting:
             gc.enable()
     if len(out) != len(names):
         raise ArenaError("tensor table names a tensor twice", "evict and refill the model")
     return out
+
+
+def _views_of(runs: list[tuple], n: int) -> list[torch.Tensor]:
+    """The `n` tensors of `runs`, in order. A table of thousands (an MoE rank) is cut into equal
+    parts made at once by the caller and the view threads: torch makes a view without the GIL
+    and takes it only to wrap each in a Python object, so the parts overlap."""
+    workers = _view_workers() if n >= _VIEWS_APART else None
+    if not workers:
+        return _views(runs)
+    parts = _parts(runs, n, len(workers) + 1)
+    results: list = [None] * len(parts)
+    dones = []
+    for i in range(1, len(parts)):
+        done = _thread.allocate_lock()
+        done.acquire()
+        workers[i - 1].put((_view_job, (parts[i], results, i, done)))
+        dones.append(done)
+    try:
+        results[0] = _views(parts[0])
+    finally:
+        for done in dones:      # every part is waited for: no thread may still make views of these maps
+            done.acquire()
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        raise failed[0]
+    return [t for part in results for t in part]
+
+
+def _views(runs: list[tuple]) -> list[torch.Tensor]:
+    tensors: list[torch.Tensor] = []
+    # Strided views made in inference mode skip autograd's view tracking (about half of their
+    # cost); of a normal tensor they are normal tensors, which may become Parameters or (in
+    # copy mode) be written in place. The dtype views are made outside it (`from_table`): one
+    # made in it would be an inference tensor, and so would every view of it.
+    with torch.inference_mode():
+        for view, count, shape, stride, step, offset in runs:
+            if count == 1:
+                tensors.append(view.as_strided(shape, stride, offset))
+            else:
+                tensors.extend(view.as_strided((count, *shape), (step, *stride), offset).unbind(0))
+    return tensors
+
+
+def _view_job(part: list[tuple], results: list, i: int, done) -> None:
+    try:
+        results[i] = _views(part)
+    except BaseException as e:      # noqa: BLE001 - the caller raises it
+        results[i] = e
+    finally:
+        done.release()
+
+
+def _parts(runs: list[tuple], n: int, pieces: int) -> list[list[tuple]]:
+    """`runs` (view, count, shape, stride, step, offset) cut into `pieces` lists of runs of about
+    n / pieces tensors each, in order: a run that spans a cut is split in two at a tensor."""
+    size = -(-n // pieces)
+    parts: list[list[tuple]] = [[]]
+    room = size
+    for view, count, shape, stride, step, offset in runs:
+        while count:
+            if not room:
+                parts.append([])
+                room = size
+            take = min(count, room)
+            parts[-1].append((view, take, shape, stride, step, offset))
+            offset, count, room = offset + take * step, count - take, room - take
+    return parts
 
 
 def _check_run(name: str, offset: int, nbytes: int, arena: int, ndim: int, shape: list[int], stride: list[int],
