@@ -200,7 +200,7 @@ def main() -> None:
         (OUT / "summary.json").write_text(json.dumps(summary, indent=1))
         for name in chosen:
             if name in summary:
-                Console().print(table(name, {"vllm": summary["vllm"], **summary[name]}))
+                Console(width=140).print(table(name, {"vllm": summary["vllm"], **summary[name]}))
 
 
 if __name__ == "__main__":
