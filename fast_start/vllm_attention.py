@@ -55,8 +55,9 @@ def choosing(noted: list[dict] | None) -> Iterator[None]:
         def choose(*args, **kwargs):
             key = (args, tuple(sorted(kwargs.items())))     # hashable where vLLM's own cache can key on them
             try:
-                call = named[key] if key in named else named.setdefault(
-                    key, _named(signature, args, kwargs, chosen, AttentionBackendEnum))
+                if key not in named:
+                    named[key] = _named(signature, args, kwargs, chosen, AttentionBackendEnum)
+                call = named[key]
             except TypeError:       # unhashable: vLLM's cache refuses the call itself
                 call = None
             if call is not None:
@@ -91,15 +92,13 @@ def _named(signature: inspect.Signature, args, kwargs, chosen: dict[str, str], e
     names one itself, the fill noted other inputs or a backend this vLLM does not know, or the
     call cannot be described (vLLM's own choice)."""
     try:
-        bound = signature.bind(*args, **kwargs)
-        if bound.arguments.get("backend") is not None:
-            return None
-        name = chosen.get(_inputs(bound))
+        described = _described(signature, args, kwargs)
     except Exception:      # noqa: BLE001 - a call this module cannot describe: vLLM's own choice
         return None
-    if name not in enum.__members__:
+    if described is None or chosen.get(described[1]) not in enum.__members__:
         return None
-    bound.arguments["backend"] = enum[name]
+    bound = described[0]
+    bound.arguments["backend"] = enum[chosen[described[1]]]
     return bound.args, bound.kwargs
 
 
@@ -115,12 +114,19 @@ def _noted(signature: inspect.Signature, args, kwargs, backend) -> dict | None:
     """The note of one selection vLLM made itself; None where the caller named the backend, or
     where the inputs cannot be described (the fill goes on without the note)."""
     try:
-        bound = signature.bind(*args, **kwargs)
-        if bound.arguments.get("backend") is not None:
-            return None
-        return {"inputs": _inputs(bound), "backend": backend.get_name()}
+        described = _described(signature, args, kwargs)
+        return None if described is None else {"inputs": described[1], "backend": backend.get_name()}
     except Exception:      # noqa: BLE001 - a note is an optimisation, never a reason for a fill to fail
         return None
+
+
+def _described(signature: inspect.Signature, args, kwargs) -> tuple[inspect.BoundArguments, str] | None:
+    """A selection's bound arguments and its inputs (`_inputs`); None where the caller named the
+    backend. Raises where the call does not fit the signature."""
+    bound = signature.bind(*args, **kwargs)
+    if bound.arguments.get("backend") is not None:
+        return None
+    return bound, _inputs(bound)
 
 
 def _inputs(bound: inspect.BoundArguments) -> str:
