@@ -13,16 +13,13 @@ read-only map of an fd as a flat uint8 tensor.
 """
 from __future__ import annotations
 
-import _thread
 import fcntl
 import gc
 import mmap
 import os
-import time
 import types
 import warnings
 from collections.abc import Iterator
-from queue import SimpleQueue
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +34,6 @@ _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_
 _WRITE_STEP = 1 << 26
 _CHUNK = 1 << 28   # bytes per checksum step (a multiple of _BLOCK)
 _BLOCK = 4096
-_NAP_S, _NAPS = 2e-5, 500      # `Imported.ready` first waits in 500 naps of 20 us (see there)
 
 
 class MemfdWriter:
@@ -82,159 +78,60 @@ def create(size: int, device: str, name: str):
     raise ArenaError(f"arena device {device!r} is unknown", 'use "cpu" or "cuda:N"')
 
 
-def map_readonly(fd: int, size: int, arena_device: str, device: torch.device, pending: list | None = None) -> torch.Tensor:
+def map_readonly(fd: int, size: int, arena_device: str, device: torch.device) -> torch.Tensor:
     """Map an arena fd read-only as a flat uint8 tensor on `device`; the fd may be closed afterwards.
 
     `arena_device` is where the arena lives ("cpu" or a GPU UUID); it must be `device` itself.
-    With a `pending` list a GPU map returns before its access is set and joins the list: views
-    can be made meanwhile, but nothing may read them before `ready(pending)`.
     """
     if arena_device == "cpu" and device.type == "cpu":
         return _map_memfd(fd, size)
     if device.type == "cuda":
         ordinal = device.index if device.index is not None else torch.cuda.current_device()
         if cudadrv.device_uuid(ordinal) == arena_device:
-            imported = Imported(fd, size, ordinal, readonly=True)
-            if pending is None:
-                imported.ready()
-            else:
-                pending.append(imported)
             # torch keeps a reference to the Imported object for as long as any view of the tensor lives.
-            return torch.as_tensor(imported, device=f"cuda:{ordinal}")
+            return torch.as_tensor(Imported(fd, size, ordinal, readonly=True), device=f"cuda:{ordinal}")
     raise ArenaError(f"arena on {arena_device} cannot be mapped on {device}",
                      "fetch on the device the daemon serves")
-
-
-def ready(pending: list[Imported]) -> None:
-    """Wait until every map in `pending` can be read; the first failure's ArenaError."""
-    errors = [e for e in (p.ready(raise_error=False) for p in pending) if e is not None]
-    if errors:
-        raise errors[0]
 
 
 class Imported:
     """An arena fd imported and mapped on a GPU by an engine (`cudadrv`: no cuda-bindings import
     on the engine's start); unmapped when garbage-collected, i.e. when its last tensor view dies.
 
-    Setting the access (the part of a map whose time grows with the size) runs on the process's
-    access thread (`_access_jobs`), so the caller can make its views meanwhile; `ready()` waits
-    for it.
+    Everything runs on the caller's thread: the engine's process is left with no thread of ours.
+    A forked child inherits the object but not the mapping's CUDA state, so only the process that
+    mapped it unmaps it.
     """
 
     def __init__(self, fd: int, size: int, ordinal: int, readonly: bool):
-        self.size, self.ordinal = size, ordinal
-        self.read_by = None     # an event after the map's only reader (a copy), else any kernel may read it
+        self.size, self.ordinal, self.pid = size, ordinal, os.getpid()
         self.ptr = cudadrv.map_fd(fd, size, ordinal)
-        # The job holds no reference to self: the last one could otherwise be dropped, and
-        # __del__ wait for the access, in that very job on the access thread. (A copy's maps are
-        # dropped there on purpose, by a later job: `_unmap_once_copied`.)
-        self.done, self.errors = _thread.allocate_lock(), []
-        self.done.acquire()
-        started = _thread.allocate_lock()
-        started.acquire()
-        _access_jobs().put((_set_access, (self.ptr, size, ordinal, readonly, self.done, self.errors, started)))
-        # Wait until the access thread is about to enter the driver call: it needs the GIL to get
-        # there, and the views this thread makes next would hold the GIL until they are all made.
-        started.acquire()
+        try:
+            cudadrv.set_access(self.ptr, size, ordinal, readonly)
+        except BaseException:
+            cudadrv.unmap(self.ptr, size)
+            self.ptr = None
+            raise
         self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (self.ptr, False),
                                          "version": 3}
 
-    def ready(self, raise_error: bool = True) -> ArenaError | None:
-        # Naps first, not one sleep until the access thread is done: on the H200 machine a thread
-        # blocked for the rest of a 32 GiB access (0.5-1 ms) returned 23-300 us after it ended, one
-        # that naps 14-29 us (presumably its CPU idles less deeply). An access that takes longer than
-        # the naps (140 GB would take 4 ms) is waited for as before.
-        for _ in range(_NAPS):
-            if self.done.acquire(timeout=_NAP_S):
-                break
-        else:
-            self.done.acquire()
-        self.done.release()
-        if self.errors and raise_error:
-            raise self.errors[0]
-        return self.errors[0] if self.errors else None
-
     def __del__(self):
-        if not getattr(self, "ptr", None) or not cudadrv.loaded():
+        if not getattr(self, "ptr", None) or self.pid != os.getpid() or not cudadrv.loaded():
             return
-        if self.ready(raise_error=False) is None:     # else no kernel could read it, nor wait on the GPU
-            if self.read_by is not None:
-                self.read_by.synchronize()              # its only reader is done
-            else:
-                torch.cuda.synchronize(self.ordinal)    # no kernel may still read what we unmap
-        cudadrv.unmap(self.ptr, self.size)
+        try:
+            torch.cuda.synchronize(self.ordinal)    # no kernel may still read what we unmap
+            cudadrv.unmap(self.ptr, self.size)
+        except Exception:       # noqa: BLE001 - at interpreter exit torch may be gone; the process's end unmaps
+            pass
         self.ptr = None
 
 
-_jobs: SimpleQueue | None = None
-_view_queues: list[SimpleQueue] | None = None
-_VIEWS_APART = 2048         # tables of fewer tensors are made by the caller alone (`_views_of`)
-_VIEW_THREADS = 3
-
-
-def _forget_access_thread() -> None:
-    global _jobs, _view_queues
-    _jobs = _view_queues = None     # a forked child has none of the threads: its first fetch starts its own
-
-
-os.register_at_fork(after_in_child=_forget_access_thread)
-
-
-def _access_jobs() -> SimpleQueue:
-    """The queue of the thread that sets maps' access, one per process, started on first use
-    (starting a thread took 0.1 ms of a fetch: `warm_ups` starts it while the daemon answers)."""
-    global _jobs
-    if _jobs is None:
-        jobs = SimpleQueue()
-        _thread.start_new_thread(_serve, (jobs,))
-        _jobs = jobs
-    return _jobs
-
-
-def _view_workers() -> list[SimpleQueue]:
-    """The queues of the threads that make views of large tables (`_views_of`), one each, started on
-    first use (`warm_ups` starts them while the daemon answers): as many as the CPUs this process
-    may run on allow, besides its own, up to three; none on one CPU."""
-    global _view_queues
-    if _view_queues is None:
-        queues = [SimpleQueue() for _ in range(min(_VIEW_THREADS, len(os.sched_getaffinity(0)) - 1))]
-        for queue in queues:
-            _thread.start_new_thread(_serve, (queue,))
-        _view_queues = queues
-    return _view_queues
-
-
-def _serve(jobs: SimpleQueue) -> None:
-    while True:
-        job, args = jobs.get()
-        try:
-            job(*args)
-        except Exception:       # noqa: BLE001 - the thread serves on; a job reports to its caller itself
-            pass
-        del args        # nothing of a job outlives it here
-
-
-def _drop_when_done(held: list, copied, ordinal: int) -> None:
-    """Wait (sleeping, so the GIL is free) until `copied` has happened, then drop `held`: its maps
-    are unmapped here. On the maps' GPU: this thread must not make a context on another."""
-    with torch.cuda.device(ordinal):
-        while not copied.query():
-            time.sleep(_NAP_S * 10)
-        held.clear()
-
-
 def warm_ups(device: torch.device) -> Iterator[None]:
-    """What a process's first map of arenas on `device` and first views of them would do, one step
-    per `next()`, for a fetch to run while the daemon answers: start the access thread, then make a
-    tensor from an array interface, a dtype view, a strided view and an `unbind` of a tiny tensor
-    (torch's first call of each took 0.05-0.15 ms of a fetch on the H200), then start the view
-    threads (a large table's views are made on them: `_views_of`). A fetch stops when the
-    reply arrives: the map and the views then pay what is left after the access has begun, where it
-    overlaps the access instead of delaying it. Nothing it makes is kept."""
+    """What a process's first views of arenas on `device` would do, one step per `next()`, for a
+    fetch to run while the daemon answers: make a tensor from an array interface, a dtype view, a
+    strided view and an `unbind` of a tiny tensor (torch's first call of each costs a fraction of
+    a millisecond). A fetch stops when the reply arrives. Nothing it makes is kept."""
     try:
-        if device.type == "cuda":
-            _access_jobs()
-            yield
         probe = torch.empty(16, dtype=torch.uint8, device=device)
         yield
         if device.type == "cuda":
@@ -245,21 +142,8 @@ def warm_ups(device: torch.device) -> Iterator[None]:
         yield
         with torch.inference_mode():        # no step ends inside it: the caller's mode is never changed
             probe.as_strided((2, 2), (2, 1), 0).unbind(0)
-        yield
-        _view_workers()
     except Exception:       # a warm-up only: whatever failed here, the map itself does again and reports
         return
-
-
-def _set_access(ptr: int, size: int, ordinal: int, readonly: bool, done, errors: list, started) -> None:
-    started.release()       # the caller waits for this, not for the access
-    try:
-        cudadrv.set_access(ptr, size, ordinal, readonly)
-    except Exception as e:     # whatever it is, the caller must not read the range
-        errors.append(e if isinstance(e, ArenaError) else ArenaError(f"cuMemSetAccess failed: {e!r}",
-                                                                     "check the GPU and its driver"))
-    finally:
-        done.release()
 
 
 def _map_memfd(fd: int, size: int) -> torch.Tensor:
@@ -281,47 +165,27 @@ def tensors(manifest: Manifest, fds: list[int], mode: str, device: torch.device)
     return from_table(table.encode(manifest), maps)
 
 
-def map_arenas(fds: list[int], arenas: list[tuple[int, str]], mode: str, device: torch.device,
-               pending: list | None = None) -> list[torch.Tensor]:
+def map_arenas(fds: list[int], arenas: list[tuple[int, str]], mode: str, device: torch.device) -> list[torch.Tensor]:
     """Each arena (size, device) from its fd as a flat uint8 tensor on `device`.
 
-    `zero_copy`: read-only maps (with a `pending` list, not yet readable: see `map_readonly`).
-    `copy`: one device copy of each arena into memory the caller owns (one large copy runs at
-    full bandwidth; per-tensor clones would not), the maps dropped as soon as it is done: on a
-    GPU by the access thread, while the caller goes on (`_unmap_once_copied`).
+    `zero_copy`: read-only maps. `copy`: one device copy of each arena into memory the caller
+    owns (one large copy runs at full bandwidth; per-tensor clones would not), each map dropped
+    as soon as its copy is done, before the next arena is mapped.
     """
     if len(fds) != len(arenas):
         raise ArenaError(f"got {len(fds)} arena fds for {len(arenas)} arenas",
                          "ask the daemon again; the reply was incomplete")
     if mode != "copy":
-        return [map_readonly(fd, size, where, device, pending) for fd, (size, where) in zip(fds, arenas)]
-    imported: list[Imported] = []
-    maps = [map_readonly(fd, size, where, device, imported) for fd, (size, where) in zip(fds, arenas)]
-    ready(imported)
-    copies = [m.clone() for m in maps]
-    if imported:
-        _unmap_once_copied(maps, imported)
-    return copies
-
-
-def _unmap_once_copied(maps: list[torch.Tensor], imported: list[Imported]) -> None:
-    """GPU maps that a copy reads, unmapped on the access thread once the copy is done: the caller
-    goes on (an engine builds its model) while the GPU copies. The copies are ordered on the
-    stream they were made on, as any tensor torch makes; the daemon's memory stays mapped, and so
-    allocated, until they are made, whatever the daemon does meanwhile."""
-    ordinal = imported[0].ordinal       # one device: map_readonly maps on `device` only
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(ordinal))
-    for each in imported:
-        each.read_by = copied
-    _access_jobs().put((_drop_when_done, ([maps, imported], copied, ordinal)))
+        return [map_readonly(fd, size, where, device) for fd, (size, where) in zip(fds, arenas)]
+    # Each map dies as its copy is made: a GPU map is unmapped once the device is done with the
+    # copy (`Imported.__del__`), so at most one arena is held twice at any time.
+    return [map_readonly(fd, size, where, device).clone() for fd, (size, where) in zip(fds, arenas)]
 
 
 def from_table(data: bytes | bytearray, maps: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every tensor of a tensor table (`table.py`) as a view into the mapped arenas `maps`.
 
-    One view per run (its tensors along a leading dimension), split with `unbind`; a table of
-    thousands of tensors is split in parts on the view threads at once (`_views_of`). Each run is
+    One view per run (its tensors along a leading dimension), split with `unbind`. Each run is
     checked exactly (arena, dtype, shape against nbytes, alignment, its last element inside its
     arena) before its view is made, so a damaged or hostile table cannot make a view reach
     outside an arena.
@@ -349,39 +213,13 @@ def from_table(data: bytes | bytearray, maps: list[torch.Tensor]) -> dict[str, t
     collecting = gc.isenabled()
     gc.disable()        # thousands of new tensors would start a full collection of the engine's heap
     try:
-        out = dict(zip(names, _views_of(runs, len(names))))
+        out = dict(zip(names, _views(runs)))
     finally:
         if collecting:
             gc.enable()
     if len(out) != len(names):
         raise ArenaError("tensor table names a tensor twice", "evict and refill the model")
     return out
-
-
-def _views_of(runs: list[tuple], n: int) -> list[torch.Tensor]:
-    """The `n` tensors of `runs`, in order. A table of thousands (an MoE rank) is cut into equal
-    parts made at once by the caller and the view threads: torch makes a view without the GIL
-    and takes it only to wrap each in a Python object, so the parts overlap."""
-    workers = _view_workers() if n >= _VIEWS_APART else None
-    if not workers:
-        return _views(runs)
-    parts = _parts(runs, n, len(workers) + 1)
-    results: list = [None] * len(parts)
-    dones = []
-    for i in range(1, len(parts)):
-        done = _thread.allocate_lock()
-        done.acquire()
-        workers[i - 1].put((_view_job, (parts[i], results, i, done)))
-        dones.append(done)
-    try:
-        results[0] = _views(parts[0])
-    finally:
-        for done in dones:      # every part is waited for: no thread may still make views of these maps
-            done.acquire()
-    failed = [r for r in results if isinstance(r, BaseException)]
-    if failed:
-        raise failed[0]
-    return [t for part in results for t in part]
 
 
 def _views(runs: list[tuple]) -> list[torch.Tensor]:
@@ -397,32 +235,6 @@ def _views(runs: list[tuple]) -> list[torch.Tensor]:
             else:
                 tensors.extend(view.as_strided((count, *shape), (step, *stride), offset).unbind(0))
     return tensors
-
-
-def _view_job(part: list[tuple], results: list, i: int, done) -> None:
-    try:
-        results[i] = _views(part)
-    except BaseException as e:      # noqa: BLE001 - the caller raises it
-        results[i] = e
-    finally:
-        done.release()
-
-
-def _parts(runs: list[tuple], n: int, pieces: int) -> list[list[tuple]]:
-    """`runs` (view, count, shape, stride, step, offset) cut into `pieces` lists of runs of about
-    n / pieces tensors each, in order: a run that spans a cut is split in two at a tensor."""
-    size = -(-n // pieces)
-    parts: list[list[tuple]] = [[]]
-    room = size
-    for view, count, shape, stride, step, offset in runs:
-        while count:
-            if not room:
-                parts.append([])
-                room = size
-            take = min(count, room)
-            parts[-1].append((view, take, shape, stride, step, offset))
-            offset, count, room = offset + take * step, count - take, room - take
-    return parts
 
 
 def _check_run(name: str, offset: int, nbytes: int, arena: int, ndim: int, shape: list[int], stride: list[int],

@@ -13,9 +13,9 @@ while the other does: the engine connects before it takes the checkpoint files' 
 daemon admits the connection meanwhile) and sends its request before it reads the headers (the
 fields of the fingerprint only they give left empty: `fingerprint.requested`); while the daemon
 answers it reads them, to check the reply's fingerprint against its own (a reply that is not its
-model's is given back, and the engine asks again with the whole fingerprint), and warms up its
-first map as far as the reply leaves time for (`arena.warm_ups`). So a large arena is mapped, and
-its access set, that much earlier.
+model's is given back, and the engine asks again with the whole fingerprint), and warms up
+torch's first views as far as the reply leaves time for (`arena.warm_ups`). Everything runs on
+the caller's thread: the engine's process is left with no thread of fast-start's.
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ class _Headers:
         return self.result
 
     def read(self, device: torch.device) -> Iterator[None]:
-        """The steps for the wait for a reply: the fingerprint, then the first map's warm-ups."""
+        """The steps for the wait for a reply: the fingerprint, then the first views' warm-ups."""
         try:
             self.fingerprint()
         except FastStartError:
@@ -281,18 +281,11 @@ def _use(reply: protocol.Acquired, fds: list[int], want: Fingerprint, mode: str,
         except (KeyError, TypeError, ValueError) as e:
             raise ArenaError(f"the daemon's manifest is malformed ({e!r})",
                              "use a fast-start client of the daemon's version") from None
-        pending: list = []      # GPU maps whose access is still being set while the views are made
-        maps = arenas.map_arenas(fds, where, mode, device, pending)
+        maps = arenas.map_arenas(fds, where, mode, device)
     finally:
         for fd in fds:
             os.close(fd)
-    try:
-        tensors = arenas.from_table(reply.attachment, maps)
-    except BaseException:
-        for imported in pending:        # unmapped only once their access is set; the table's error is the one
-            imported.ready(raise_error=False)
-        raise
-    arenas.ready(pending)
+    tensors = arenas.from_table(reply.attachment, maps)
     bad = [a for a, t in aliases.items() if not isinstance(t, str) or t not in tensors or a in tensors]
     if bad:
         raise ArenaError(f"the daemon's manifest has invalid aliases {bad[:5]}", "evict and refill the model")

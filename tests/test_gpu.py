@@ -99,8 +99,7 @@ def test_copy_then_daemon_killed_leaves_engine_tensors_valid(tmp_path, llama, da
 
 
 def test_a_copy_leaves_no_map_behind_and_holds_the_caches_bytes(tmp_path, llama, daemons):
-    """A copy's maps are unmapped by the access thread once the copy is made (the caller goes on
-    meanwhile, which the vLLM bench's copy engines time): none is left mapped."""
+    """Each map a copy reads is unmapped once the device has made the copy, before fetch returns."""
     from fast_start import arena
     daemons(cuda_config(tmp_path, [model("llama", llama)]))
     spec = fast_start.WeightSpec(str(llama), quantization="none", engine_version="test")
@@ -109,10 +108,6 @@ def test_a_copy_leaves_no_map_behind_and_holds_the_caches_bytes(tmp_path, llama,
         return sum(type(o) is arena.Imported and o.ptr is not None for o in gc.get_objects())
     before = mapped()
     w = fast_start.fetch(spec, device="cuda:0", mode="copy", socket_dir=str(tmp_path / "run"), fallback=False)
-    for _ in range(1000):
-        if mapped() == before:
-            break
-        time.sleep(0.01)
     assert mapped() == before
     disk = fast_start.fetch(spec, device="cuda:0", socket_dir=str(tmp_path / "none"))
     for name in disk:
@@ -173,27 +168,24 @@ def test_the_fills_attention_backend_is_chosen_again_alone_and_a_refused_one_is_
     assert refused["backend"] == own["backend"]
 
 
-def test_views_made_while_access_is_set_read_the_arena_and_a_failed_access_is_raised():
-    """A map hands out its address before its access is set (`pending`); views made from it read
-    the arena once `ready` returns, and a driver error of the access step reaches the caller."""
+def test_a_map_reads_the_arena_and_a_failed_access_is_raised_with_nothing_left_mapped():
+    """A read-only map reads the arena's bytes; a driver error while setting its access reaches
+    the caller, and the range it had mapped is unmapped again."""
     from fast_start import arena, vmm
     from fast_start.errors import ArenaError
     data = torch.arange(1 << 20, dtype=torch.int32, device="cuda:0")
-    writer = vmm.VmmWriter(data.nbytes, 0, "deferred-access")
+    writer = vmm.VmmWriter(data.nbytes, 0, "map-access")
     writer.write(0, data)
     fd = writer.finish()
     try:
-        pending: list = []
-        flat = arena.map_readonly(fd, writer.size, writer.device, torch.device("cuda:0"), pending)
-        assert len(pending) == 1
-        view = flat[:data.nbytes].view(torch.int32)
-        arena.ready(pending)
-        assert torch.equal(view, data)
-        bad = arena.Imported(fd, writer.size, torch.cuda.device_count() + 7, readonly=True)   # no such GPU
+        flat = arena.map_readonly(fd, writer.size, writer.device, torch.device("cuda:0"))
+        assert torch.equal(flat[:data.nbytes].view(torch.int32), data)
+        mapped = sum(type(o) is arena.Imported and o.ptr is not None for o in gc.get_objects())
         with pytest.raises(ArenaError, match="cuMemSetAccess"):
-            arena.ready([bad])
-        del bad
-        gc.collect()        # its unmap, which must not wait on a GPU that is not there, runs here
+            arena.Imported(fd, writer.size, torch.cuda.device_count() + 7, readonly=True)   # no such GPU
+        gc.collect()
+        assert sum(type(o) is arena.Imported and o.ptr is not None for o in gc.get_objects()) == mapped
+        del flat
     finally:
         os.close(fd)
 

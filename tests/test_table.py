@@ -6,7 +6,6 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import zlib
 
 import pytest
@@ -142,65 +141,6 @@ def test_a_table_naming_a_tensor_twice_is_refused():
     row = [2, 2048, 0, 2048, 0, BF16, 2, 32, 32, 32, 1]
     with pytest.raises(ArenaError, match="names a tensor twice"):
         from_table(forged([row], ["a", "a"], 2), [torch.zeros(4096, dtype=torch.uint8)])
-
-
-@pytest.fixture
-def view_threads(monkeypatch):
-    """This process's view threads started afresh, three of them whatever the CPUs here."""
-    monkeypatch.setattr(arena, "_view_queues", None)
-    monkeypatch.setattr(arena.os, "sched_getaffinity", lambda pid: set(range(4)))
-    made_by = set()
-    views = arena._views
-
-    def recorded(runs):
-        made_by.add(threading.get_ident())
-        return views(runs)
-    monkeypatch.setattr(arena, "_views", recorded)
-    return made_by
-
-
-def test_a_large_tables_views_are_made_on_several_threads_and_are_those_one_thread_makes(fp, view_threads):
-    m = manifest_of(moe_outputs(layers=24, experts=32), fp)      # 2,328 tensors in 3 runs
-    data = table.encode(m)
-    storage = torch.arange(m.arenas[0].size, dtype=torch.int64).to(torch.uint8)
-    got = from_table(data, [storage])
-    assert len(view_threads) == 4 and len(got) == len(m.tensors) >= arena._VIEWS_APART
-    small = from_table(table.encode(manifest_of(moe_outputs(layers=1, experts=2), fp)), [storage])
-    assert len(small) == 7 and len(view_threads) == 4      # a small table: this thread alone, nothing new
-    alone = {}
-    with torch.inference_mode():
-        for name, t in zip(table.parse(data)[2], arena._views(arena._parts(_runs_of(data, storage), len(got), 1)[0])):
-            alone[name] = t
-    assert list(got) == list(alone)         # the same names in the same order
-    for name, t in got.items():
-        want = alone[name]
-        assert (t.data_ptr(), t.shape, t.stride(), t.dtype) == (want.data_ptr(), want.shape, want.stride(), want.dtype)
-        assert not t.is_inference()
-
-
-def _runs_of(data: bytes, storage: torch.Tensor) -> list[tuple]:
-    d, rows, _ = table.parse(data)
-    width, flat = table.FIXED + 2 * d, storage.view(torch.bfloat16)
-    return [(flat, rows[at], rows[at + table.FIXED:at + table.FIXED + rows[at + 6]].tolist(),
-             rows[at + table.FIXED + d:at + table.FIXED + d + rows[at + 6]].tolist(), rows[at + 1] // 2, rows[at + 2] // 2)
-            for at in range(0, len(rows), width)]
-
-
-def test_runs_are_cut_into_equal_parts_at_tensors_in_order():
-    runs = [("a", 5, [2], [1], 3, 0), ("b", 1, [4], [1], 0, 100), ("c", 7, [1], [1], 2, 200)]
-    parts = arena._parts(runs, 13, 3)       # 5 tensors a part: a a a a a | b c c c c | c c c
-    assert [[(v, n, off) for v, n, _, _, _, off in part] for part in parts] == [
-        [("a", 5, 0)], [("b", 1, 100), ("c", 4, 200)], [("c", 3, 208)]]
-    assert arena._parts(runs, 13, 1) == [runs]
-
-
-def test_a_view_threads_error_is_raised_once_every_part_is_done(view_threads):
-    storage = torch.zeros(1 << 16, dtype=torch.uint8)
-    runs = [(storage, 3000, [4], [1], 4, 0), (storage, 1, [1 << 20], [1], 0, 0)]    # the last: out of bounds
-    with pytest.raises(RuntimeError):
-        arena._views_of(runs, 3001)
-    assert len(view_threads) == 4
-    assert len(arena._views_of(runs[:1], 3000)) == 3000        # the threads serve on
 
 
 def test_one_round_trip_gives_lease_fds_and_table_and_answers_other_devices_with_a_miss(tmp_path, small, daemons):
