@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import protocol, table, watch
+from . import files, protocol, table, trust, watch
 from .config import ModelConfig
 from .fingerprint import Fingerprint
 from .manifest import Manifest
-from .metrics import Metrics, write_file
+from .metrics import Metrics
 from .trust import Peer
 
 log = logging.getLogger("fast_start.daemon")
@@ -87,6 +87,28 @@ class Process:
     uid: int
     pidfd: int
     leases: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """One eviction as `fast-start evictions` shows it and the history file keeps it."""
+    time: float
+    model: str
+    reason: str
+    bytes: int
+    leases: int
+
+    @classmethod
+    def from_json(cls, obj) -> "Eviction":
+        """An entry of the history file; ValueError naming what is wrong with it."""
+        want = cls.__annotations__         # field -> type name
+        if not isinstance(obj, dict) or set(obj) != set(want):
+            raise ValueError(f"an entry has fields {sorted(obj) if isinstance(obj, dict) else type(obj).__name__}")
+        for name, kind in want.items():
+            ok = isinstance(obj[name], (int, float) if kind == "float" else int if kind == "int" else str)
+            if not ok or isinstance(obj[name], bool):
+                raise ValueError(f"an entry's {name} is {obj[name]!r}, not {kind}")
+        return cls(**obj)
 
 
 @dataclass(frozen=True)
@@ -350,8 +372,7 @@ class Cache:
                 self.pending[name] = {"name": name, "state": pending, "detail": reason, "since": time.time()}
                 self.former[name] = (entry.manifest.fingerprint, reason)
             leases = sum(1 for l in self.leases.values() if l.model == name)
-            self.evictions.append({"time": time.time(), "model": name, "reason": reason, "bytes": entry.nbytes,
-                                   "leases": leases})
+            self.evictions.append(Eviction(time.time(), name, reason, entry.nbytes, leases))
         self._save_history()
         log.info("evicted %s (%s; %.2f GiB, %d lease(s) held then)", name, reason, entry.nbytes / 2**30, leases)
         self.metrics.inc("fast_start_evictions_total", model=name, reason=reason)
@@ -361,26 +382,31 @@ class Cache:
     def record(self, model: str, reason: str, nbytes: int = 0) -> None:
         """An eviction that happened outside the cache (a stored arena the config no longer matches)."""
         with self.lock:
-            self.evictions.append({"time": time.time(), "model": model, "reason": reason, "bytes": nbytes,
-                                   "leases": 0})
+            self.evictions.append(Eviction(time.time(), model, reason, nbytes, 0))
         self._save_history()
         self.metrics.inc("fast_start_evictions_total", model=model, reason=reason)
 
     def keep_history(self, path: Path) -> None:
         """Keep the eviction history (the last MAX_EVICTIONS) in `path`: read back now, rewritten
-        atomically at each eviction. An unreadable or damaged file is set aside with a warning."""
+        atomically at each eviction. A file that cannot be read (not a regular file, not JSON,
+        entries of the wrong shape) is set aside with a warning: the start goes on."""
         self.history = path
         try:
-            saved = json.loads(path.read_text())
+            saved = files.read_json(path)
         except FileNotFoundError:
             return
-        except (OSError, ValueError) as e:
+        except (OSError, files.Unreadable) as e:
             log.warning("cannot read the eviction history %s (%s); starting a new one", path, e)
             return
-        keys = {"time", "model", "reason", "bytes", "leases"}
-        kept = [e for e in saved if isinstance(e, dict) and set(e) == keys] if isinstance(saved, list) else []
-        if len(kept) != (len(saved) if isinstance(saved, list) else -1):
-            log.warning("the eviction history %s has damaged entries; keeping the %d readable ones", path, len(kept))
+        kept, damaged = [], []
+        for each in saved if isinstance(saved, list) else []:
+            try:
+                kept.append(Eviction.from_json(each))
+            except ValueError as e:
+                damaged.append(str(e))
+        if damaged or not isinstance(saved, list):
+            log.warning("the eviction history %s is damaged (%s); keeping the %d readable entries", path,
+                        damaged[0] if damaged else "not a list", len(kept))
         with self.lock:
             self.evictions.extendleft(reversed(kept[-MAX_EVICTIONS:]))
 
@@ -388,9 +414,9 @@ class Cache:
         if self.history is None:
             return
         with self.lock:
-            snapshot = list(self.evictions)
+            snapshot = [asdict(e) for e in self.evictions]
         try:
-            write_file(self.history, json.dumps(snapshot))
+            files.write_atomic(self.history, json.dumps(snapshot), 0o600)
         except OSError as e:
             log.warning("cannot write the eviction history %s: %s", self.history, e.strerror or e)
 
@@ -456,7 +482,7 @@ class Cache:
 
     def eviction_list(self, peer: Peer | None = None) -> dict:
         with self.lock:
-            return {"gpu": self.gpu, "evictions": list(self.evictions)}
+            return {"gpu": self.gpu, "evictions": [asdict(e) for e in self.evictions]}
 
 
 _PARTIAL_MISS = protocol.Miss("no cached model matches before the checkpoint's headers are compared", ["partial"],

@@ -25,11 +25,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__, protocol, vllm_rules, watch
+from . import __version__, files, protocol, vllm_rules, watch
 from . import config as configs
 from .config import ConfigError
-from .errors import FastStartError, NoDaemon, Refused
+from .errors import CheckpointError, FastStartError, NoDaemon, Refused
 from .fingerprint import Fingerprint, WeightSpec, checkpoint_hash, fingerprint
+from .headers import size_fault, weight_files
 from .transport import DEFAULT_SOCKET_DIR, connect, request, socket_path, state_path
 from .trust import TrustError
 
@@ -159,10 +160,13 @@ def status(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON
                     raise
                 continue
             try:
-                state = json.loads(state_file.read_text())
-            except (OSError, ValueError) as e:
-                raise NoDaemon(f"GPU {g}: no daemon answers and {state_file} is unreadable ({e})",
+                state = _state_of(files.read_json(state_file))
+            except OSError as e:
+                raise NoDaemon(f"GPU {g}: no daemon answers and {state_file} is unreadable ({e.strerror or e})",
                                "run as root or the daemon's user") from None
+            except ValueError as e:
+                raise NoDaemon(f"GPU {g}: no daemon answers and {state_file} is damaged ({e})",
+                               f"remove it, then systemctl restart fast-start@{g}") from None
             if not _alive(state["pid"]):
                 state.update(state="failed", error=state.get("error") or f"daemon pid {state['pid']} is not running")
             states.append(state)
@@ -171,6 +175,25 @@ def status(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON
     emit(states, as_json, _status_table)
     if any(s["state"] != "ready" for s in states):
         raise typer.Exit(1)
+
+
+def _state_of(obj) -> dict:
+    """A daemon's state file as `status` shows it; ValueError naming what does not fit."""
+    fields = {"gpu": int, "state": str, "pid": int, "time": (int, float), "progress": dict, "error": str}
+    if not isinstance(obj, dict):
+        raise ValueError(f"it holds a {type(obj).__name__}, not an object")
+    for key, kind in fields.items():
+        if key in ("gpu", "state", "pid") and key not in obj:
+            raise ValueError(f"it has no {key!r}")
+        if key in obj and (not isinstance(obj[key], kind) or isinstance(obj[key], bool)):
+            raise ValueError(f"its {key!r} is {str(obj[key])[:40]!r}")
+    if obj["pid"] <= 0:
+        raise ValueError(f"its pid is {obj['pid']}")
+    p = obj.get("progress")
+    if p is not None and not (isinstance(p.get("model"), str) and all(isinstance(p.get(k), (int, float))
+                                                                        for k in ("done", "total"))):
+        raise ValueError("its 'progress' lacks model, done or total")
+    return obj
 
 
 def _alive(pid: int) -> bool:
@@ -286,6 +309,10 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
     """Does the cache match this checkpoint? Exit 0 on a match, 1 on a mismatch or nothing cached."""
     directory = socket_dir(config)
     headers = checkpoint_hash(model)
+    for name in weight_files(model):        # a damaged file matches no cache: name its fault
+        fault = size_fault(model / name)
+        if fault:
+            raise CheckpointError(fault, "re-download or re-export this file; the daemon refills it once it is whole")
     files = watch.identity(model)
     results = []
     for g in gpus(directory, gpu):
@@ -310,7 +337,8 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
 
     def human(rs):
         if not rs:
-            out.print(f"{model}: not cached by any daemon in {directory}")
+            out.print(f"{model}: not cached by any daemon in {directory} (fast-start status shows models "
+                      "being filled, stale or failed)")
         for r in rs:
             why = f"differs in {', '.join(r['fields'])}" + (f" ({r['files']})" if r["files"] else "") if r["fields"] else \
                 f"{len(r.get('tensors_differing', []))} tensors differ" if not r["match"] else "match"

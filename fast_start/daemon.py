@@ -39,7 +39,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from . import __version__, fdstore, metrics, notify, protocol, trust, watch
+from . import __version__, fdstore, files, metrics, notify, protocol, trust, watch
 from . import config as configs
 from .cache import Cache, Entry, Limits
 from .errors import ConfigError, FastStartError
@@ -111,7 +111,6 @@ class Daemon:
                            on_process=self.watch_process, on_stale=lambda name, why: self.keeper.stale(name, why),
                            on_fill=lambda name: self.keeper.put("fill", name))
         self.cache.configured = tuple(m.name for m in self.models)
-        self.metrics_failing = False
         if os.environ.get("STATE_DIRECTORY"):           # systemd's StateDirectory=: evictions survive restarts
             self.cache.keep_history(Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / f"gpu{gpu}.evictions.json")
         self.server = Server(self.cache, Policy.of(cfg.daemon), max_connections)
@@ -184,10 +183,9 @@ class Daemon:
                                  "raise memory_budget or serve fewer or smaller models on this GPU")
 
     def write_state(self, state: str, **extra) -> None:
-        path = state_path(self.directory, self.gpu)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"gpu": self.gpu, "state": state, "pid": os.getpid(), "time": time.time(), **extra}))
-        tmp.replace(path)
+        files.write_atomic(state_path(self.directory, self.gpu),
+                           json.dumps({"gpu": self.gpu, "state": state, "pid": os.getpid(), "time": time.time(), **extra}),
+                           0o600)
 
     def device(self) -> str:
         return "cpu" if self.cfg.daemon.device == "cpu" else f"cuda:{self.gpu}"
@@ -334,16 +332,12 @@ class Daemon:
 
     def serve(self, listener: socket.socket, wake: int) -> None:
         interval = notify.watchdog_interval()
-        next_ping = next_metrics = time.monotonic()
+        next_ping = time.monotonic()
         while not self.stop.is_set():
             if interval and time.monotonic() >= next_ping:
                 notify.notify("WATCHDOG=1")
                 next_ping = time.monotonic() + interval
-            if self.cfg.daemon.metrics_file and time.monotonic() >= next_metrics:
-                self.write_metrics()
-                next_metrics = time.monotonic() + METRICS_S
-            deadlines = ([next_ping] if interval else []) + ([next_metrics] if self.cfg.daemon.metrics_file else [])
-            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else 5.0
+            timeout = max(0.0, next_ping - time.monotonic()) if interval else 5.0
             for fd, _ in self.epoll.poll(timeout):
                 try:
                     if fd == listener.fileno():
@@ -363,16 +357,22 @@ class Daemon:
                     log.exception("handling an event on fd %d failed", fd)
 
     def write_metrics(self) -> None:
-        """The textfile for node_exporter (`metrics_file`, "{gpu}" = this GPU), replaced atomically."""
-        path = self.cfg.daemon.metrics_file.replace("{gpu}", str(self.gpu))
-        try:
-            metrics.write_file(path, metrics.render(self.cache.metric_samples()["samples"]))
-            self.metrics_failing = False
-        except OSError as e:
-            if not self.metrics_failing:        # once, not every METRICS_S
-                log.warning("cannot write the metrics file %s: %s (the unit needs a ReadWritePaths= drop-in for "
-                            "its folder)", path, e.strerror or e)
-            self.metrics_failing = True
+        """Write the textfile for node_exporter (`metrics_file`, "{gpu}" = this GPU) every METRICS_S
+        until the daemon stops, on a thread of its own: a hung filesystem stalls this thread alone."""
+        failing = ""
+        while True:
+            path = self.cfg.daemon.metrics_file.replace("{gpu}", str(self.gpu))     # a reload may change it
+            if path:
+                try:
+                    files.write_atomic(path, metrics.render(self.cache.metric_samples()["samples"]))
+                    failing = ""
+                except OSError as e:
+                    if failing != path:         # once, not every METRICS_S
+                        log.warning("cannot write the metrics file %s: %s (the unit needs a ReadWritePaths= "
+                                    "drop-in for its folder)", path, e.strerror or e)
+                    failing = path
+            if self.stop.wait(METRICS_S):
+                return
 
     def accept(self, listener: socket.socket) -> None:
         while True:
@@ -421,6 +421,7 @@ class Daemon:
             log.info("ready on %s", socket_path(self.directory, self.gpu))
             self.keeper.start()
             self.serve(listener, wake_r)
+            threading.Thread(target=self.write_metrics, name="metrics", daemon=True).start()
             return 0
         finally:
             self.shutdown(listener)
@@ -444,9 +445,10 @@ class Daemon:
 def _unlink_state(directory: str, gpu: int) -> None:
     path = state_path(directory, gpu)
     try:
-        if json.loads(path.read_text()).get("state") == "failed":
+        state = files.read_json(path)
+        if isinstance(state, dict) and state.get("state") == "failed":
             return          # `fast-start status` shows why the start failed
-    except (OSError, ValueError):
+    except (OSError, files.Unreadable):
         pass
     path.unlink(missing_ok=True)
 

@@ -164,6 +164,25 @@ def raw_header(path: Path, identities: dict[str, list[int]] | None = None) -> by
                               f"{os.geteuid()})") from None
 
 
+def size_fault(path: Path) -> str | None:
+    """What is wrong with a safetensors file's size against its own header (truncated, or bytes
+    after the last tensor), or None; from the header and a stat alone. A header that cannot be
+    parsed is left to the full validation (`checkpoint.py`)."""
+    raw = raw_header(path)
+    try:
+        header = json.loads(raw[8:])
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        need = len(raw) + max(ends, default=0)
+        size = os.stat(path).st_size
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OSError):
+        return None
+    if not all(isinstance(e, int) for e in ends) or size == need:
+        return None
+    if size < need:
+        return f"{path} is truncated: {size} bytes, its header needs {need}"
+    return f"{path} has {size - need} bytes after its last tensor"
+
+
 def file_identity(st: os.stat_result) -> list[int]:
     """What the cache records of a checkpoint file (`watch.py`): device, inode, size, mtime."""
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]

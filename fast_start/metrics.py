@@ -3,13 +3,11 @@
 Each daemon counts into a `Metrics` registry (counters since its start, gauges read off its cache
 when asked). `fast-start metrics` asks every daemon for its samples and prints them as one
 exposition; with `[daemon] metrics_file` each daemon also writes its own file for
-node_exporter's textfile collector, atomically (a temporary file renamed over it).
+node_exporter's textfile collector (`files.write_atomic`).
 """
 from __future__ import annotations
 
-import os
 import threading
-from pathlib import Path
 
 # name -> (type, help, label names)
 FAMILIES = {
@@ -78,13 +76,3 @@ def render(samples: list[list]) -> str:
             lines.append(f"{name}{{{tags}}} {float(value):g}" if tags else f"{name} {float(value):g}")
     return "\n".join(lines) + "\n"
 
-
-def write_file(path: str | Path, text: str) -> None:
-    """Replace `path` with `text` atomically: a reader sees the old file or the new, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fchmod(f.fileno(), 0o644)
-    os.replace(tmp, path)

@@ -1,0 +1,65 @@
+"""The daemon's small files (state, eviction history, the metrics textfile): written atomically,
+read with bounds. Stdlib only.
+
+Their folders may be writable by others (a node_exporter textfile folder often is), so neither
+side trusts a name: a write goes to a new file with an unpredictable name, created exclusively
+(`mkstemp`: `O_EXCL | O_NOFOLLOW`, so a symlink or FIFO planted anywhere is never opened), and
+is renamed over the target, which replaces a link there instead of following it; a write that
+fails removes its file. A read opens without following a last-component symlink and without
+blocking (a FIFO answers at once), refuses anything but a regular file, and reads at most
+`MAX_READ` bytes; what it returns is JSON already parsed, however deeply nested the text was.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+MAX_READ = 16 << 20
+
+
+class Unreadable(ValueError):
+    """A file is not one this process can read as JSON; the message names why."""
+
+
+def write_atomic(path: str | Path, text: str, mode: int = 0o644) -> None:
+    """Replace `path` with `text`: a reader sees the old file or the new, never half of one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_json(path: str | Path):
+    """The JSON value in `path`. FileNotFoundError if there is none; `Unreadable` for a
+    non-regular file, an oversized, undecodable or too deeply nested one; other OSErrors as raised."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:      # O_NOFOLLOW on a symlink
+            raise Unreadable(f"{path} is a symlink") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Unreadable(f"{path} is not a regular file")
+        data = f.read(MAX_READ + 1)
+    if len(data) > MAX_READ:
+        raise Unreadable(f"{path} is larger than {MAX_READ} bytes")
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise Unreadable(f"{path} is not JSON ({type(e).__name__}: {str(e)[:80]})") from None
