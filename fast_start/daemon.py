@@ -43,7 +43,7 @@ from . import __version__, fdstore, files, metrics, notify, protocol, trust, wat
 from . import config as configs
 from .cache import Cache, Entry, Limits
 from .errors import ConfigError, FastStartError
-from .fill import Workers, worker_env
+from .fill import FillError, Workers, worker_env
 from .fingerprint import LAYOUT_VERSION, fingerprint
 from .keeper import Keeper
 from .manifest import Manifest
@@ -194,18 +194,21 @@ class Daemon:
         """Fill `models`; each one is served as soon as its arena is complete."""
         bandwidth = configs.parse_bytes(self.cfg.daemon.fill_bandwidth)
         for m in models:
-            files = watch.identity(m.path)          # before a byte of its data is read
+            identity = watch.identity(m.path)       # before a byte of its data is read
+            writes = self.watch.writes(m.name)
             job = protocol.FillJob(m.name, m.spec(self.gpu)._asdict(), self.device(), bandwidth)
             for msg, fds in workers.get(self.cfg.python(m)).run(job):
                 if isinstance(msg, protocol.Progress):
                     self.report_progress(msg, starting)
                     continue
-                manifest = Manifest.from_dict(msg.manifest)
-                entry = Entry(m, manifest, fds, msg.seconds, files)
-                entry.names = fdstore.store(m.name, manifest, fds, entry.filled_at, files)
+                manifest = filled_manifest(m.name, msg, fds)
+                entry = Entry(m, manifest, fds, msg.seconds, identity)
+                entry.names = fdstore.store(m.name, manifest, fds, entry.filled_at, identity)
                 self.cache.add(entry)
                 log.info("cached %s rank %d: %s in %.1f s", m.name, manifest.fingerprint.rank,
                          configs.format_bytes(entry.nbytes), msg.seconds)
+                if self.watch.writes(m.name) != writes:     # the files' identity may not show it
+                    self.keeper.stale(m.name, "a checkpoint file was written during the fill")
                 self.cache.metrics.inc("fast_start_fills_total", model=m.name)
                 self.cache.metrics.inc("fast_start_filled_bytes_total", entry.nbytes, model=m.name)
                 self.cache.metrics.set("fast_start_fill_seconds", msg.seconds, model=m.name)
@@ -348,9 +351,7 @@ class Daemon:
                             self.reload_asked.clear()
                             self.keeper.put("reload")
                     elif fd == self.watch.fd:
-                        changed = self.watch.changed()
-                        if changed:
-                            self.keeper.put("check", changed)
+                        self.keeper.changed(self.watch.changed())
                     else:
                         self.cache.process_exited(fd)
                 except Exception:           # nothing an event does may stop the serving loop
@@ -420,8 +421,8 @@ class Daemon:
                           f"cached in {time.monotonic() - self.started:.1f} s")
             log.info("ready on %s", socket_path(self.directory, self.gpu))
             self.keeper.start()
-            self.serve(listener, wake_r)
             threading.Thread(target=self.write_metrics, name="metrics", daemon=True).start()
+            self.serve(listener, wake_r)
             return 0
         finally:
             self.shutdown(listener)
@@ -440,6 +441,24 @@ class Daemon:
                 step()
             except OSError as e:
                 log.warning("shutting down: %s", e)
+
+
+def filled_manifest(model: str, msg: protocol.Filled, fds: list[int]) -> Manifest:
+    """The manifest of a worker's `Filled` frame, with exactly one fd per arena; else its fds are
+    closed and the fill fails naming what was wrong."""
+    try:
+        manifest = Manifest.from_dict(msg.manifest)
+        if len(fds) != len(manifest.arenas):
+            raise FillError(f"the fill worker sent {len(fds)} fds for {model}'s {len(manifest.arenas)} arenas",
+                            "see the daemon's log; the model is filled again at the next start or fast-start fill")
+        return manifest
+    except (FastStartError, KeyError, TypeError, ValueError) as e:
+        for fd in fds:
+            os.close(fd)
+        if isinstance(e, FillError):
+            raise
+        raise FillError(f"the fill worker's manifest for {model} is malformed ({e})",
+                        "use a fill worker of the daemon's version") from None
 
 
 def _unlink_state(directory: str, gpu: int) -> None:

@@ -21,9 +21,11 @@ from .errors import FastStartError
 
 EXTEND_USEC = 30_000_000   # each EXTEND_TIMEOUT_USEC promises the next message within 30 s
 STALL_S = 300              # a worker with no progress for this long is declared hung
+FRAME_S = 20               # a frame begun must be complete by then (within EXTEND_USEC)
 HELLO_S = 120              # an interpreter that has not introduced itself by then is not a worker
 REPORTS = ("progress", "checked", "filled", "verified", "error")
 FINAL = (protocol.Checked, protocol.Filled, protocol.Verified)
+ANSWER = {"check_job": protocol.Checked, "fill_job": protocol.Filled, "verify_job": protocol.Verified}
 
 
 class FillError(FastStartError):
@@ -48,7 +50,10 @@ class Worker:
 
     Raises `FillError` with one line naming both interpreters and both versions when the child
     does not speak this daemon's protocol. While `starting`, every second of a job extends
-    systemd's start timeout; a job silent for `STALL_S` kills the child, as does `stop`.
+    systemd's start timeout. A job whose `Progress` has not advanced for `STALL_S` (silent, or
+    repeating itself), or whose frame stops half-way for `FRAME_S`, is declared hung; the child is
+    killed when the session closes, as on `stop`. Descriptors ride on `Filled` frames only: any
+    others are closed as they arrive.
     """
 
     def __init__(self, python: str, env: dict[str, str], stop: threading.Event, starting: bool = False):
@@ -109,15 +114,31 @@ class Worker:
         """Send `job` (with `fds`), yield its reports up to and including the final one."""
         try:
             protocol.send(self.sock, job, fds)
+            advanced, done = time.monotonic(), -1
             while True:
-                if not self._wait(STALL_S):
+                if not self._wait(max(0.0, advanced + STALL_S - time.monotonic())):
                     raise FillError(f"the fill made no progress for {STALL_S} s", "check the model's storage")
-                msg, got = protocol.recv(self.sock, allowed=REPORTS)
+                try:
+                    msg, got = protocol.recv(self.sock, allowed=REPORTS, frame_timeout=FRAME_S)
+                except protocol.ProtocolError as e:
+                    raise FillError(f"the fill worker {self.python} sent a bad frame: {e.what}",
+                                    "see the daemon's log; the worker is stopped") from None
                 if msg is None:
                     raise FillError(f"the fill worker exited with code {self.proc.wait()}",
                                     "see the traceback in the log")
+                if got and not isinstance(msg, protocol.Filled):
+                    for fd in got:
+                        os.close(fd)
+                    got = []
                 if isinstance(msg, protocol.Error):
                     raise FillError(msg.what, msg.fix)
+                if isinstance(msg, FINAL) and not isinstance(msg, ANSWER[job.kind]):
+                    for fd in got:
+                        os.close(fd)
+                    raise FillError(f"the fill worker {self.python} answered a {job.kind} with a {msg.kind}",
+                                    "see the daemon's log; the worker is stopped")
+                if not isinstance(msg, protocol.Progress) or msg.done > done:
+                    advanced, done = time.monotonic(), getattr(msg, "done", done)
                 yield msg, got
                 if isinstance(msg, FINAL):
                     return

@@ -1,8 +1,10 @@
 """The keeper: a daemon thread that keeps the cache in line with the checkpoints and the config.
 
-Off the serving loop, one thing at a time: it compares a model's files with its fill's when the
-inotify watch reports a change (and every `RECHECK_S`), drops a model whose checkpoint changed,
-refills it once the files have stayed the same for `SETTLE_S` and the checkpoint is usable, and
+A change the inotify watch reports is acted on by the serving loop itself (`changed`): a model
+whose checkpoint changed stops being served at once, whatever the keeper is busy with. Off the
+serving loop, one thing at a time, the keeper compares every model's files with its fill's every
+`RECHECK_S`, refills a changed model once its files have stayed the same for `SETTLE_S` and the
+checkpoint is usable, and
 applies a reloaded config (SIGHUP): new models filled, removed or changed ones dropped, the rest
 kept. Fills run in worker children like the start-up's; the new arena is served the moment it is
 complete, and engines that mapped the old one keep it.
@@ -49,9 +51,15 @@ class Keeper:
             self.thread.join(timeout)
 
     def put(self, kind: str, arg=None) -> None:
-        """Queue "check" ({model: what the watch saw written or None}), "fill" (a model name),
+        """Queue "fill" (a model name: now), "retry" (a model name: now unless a retry is due),
         "reload" or "stop"."""
         self.jobs.put((kind, arg))
+
+    def changed(self, hit: dict[str, str | None]) -> None:
+        """On the serving loop: what the watch saw ({model: what was written, or None: compare the
+        files' identity}). A model whose checkpoint changed is no longer served from here on."""
+        for name, written in hit.items():
+            self.check(name, written)
 
     def run(self) -> None:
         next_sweep = time.monotonic() + RECHECK_S
@@ -62,11 +70,10 @@ class Keeper:
             except queue.Empty:
                 kind, arg = None, None
             try:
-                if kind == "check":
-                    for name, written in arg.items():
-                        self.check(name, written)
-                elif kind == "fill":
+                if kind == "fill":
                     self.retry[arg] = time.monotonic()
+                elif kind == "retry":
+                    self.retry.setdefault(arg, time.monotonic())
                 elif kind == "reload":
                     self.reload()
                 for name in [n for n, t in self.retry.items() if t <= time.monotonic()]:
@@ -91,7 +98,7 @@ class Keeper:
 
     def check(self, name: str, written: str | None = None) -> None:
         """Compare `name`'s files with its fill's (or take the watch's word that one was
-        `written`); a stale or failed model is looked at again."""
+        `written`); a stale or failed model is looked at again. Safe on any thread."""
         entry = self.d.cache.entries.get(name)
         if entry is not None:
             changed = written or watch.differs(entry.files, watch.identity(entry.model.path), gone_is_change=False)
@@ -99,7 +106,7 @@ class Keeper:
                 self.stale(name, changed)
         elif self.d.cache.pending.get(name, {}).get("state") in ("stale", "failed") \
                 and self.d.cfg.daemon.refill_on_change:
-            self.retry.setdefault(name, time.monotonic())
+            self.put("retry", name)
 
     def refill(self, name: str) -> None:
         """Fill `name` in the background once its checkpoint has settled and is usable."""

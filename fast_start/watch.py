@@ -11,8 +11,10 @@ the tensors came from (the shards, the index, config.json): device, inode, size 
   into, e.g. a Hugging Face cache's blobs): a write to one of its files marks the model stale
   the moment it happens, and the daemon refills it.
 
-What this cannot see: a rewrite that keeps the size and restores the mtime (`touch -d`) where no
-inotify event arrives (a change made on another NFS client); the README says so.
+If the kernel's event queue overflows, events were lost and any file may have been written:
+every watched model then counts as written. What this cannot see: a rewrite that keeps the size
+and restores the mtime (`touch -d`) where no inotify event arrives (a change made on another NFS
+client); the README says so.
 Stdlib only: the daemon's serving process never imports torch for this.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import ctypes.util
 import logging
 import os
 import struct
+import threading
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -82,7 +85,7 @@ def differs(recorded: Identity, current: Identity, gone_is_change: bool = True) 
 # inotify(7)
 IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
 IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
-IN_DELETE_SELF, IN_MOVE_SELF, IN_IGNORED = 0x400, 0x800, 0x8000
+IN_DELETE_SELF, IN_MOVE_SELF, IN_Q_OVERFLOW, IN_IGNORED = 0x400, 0x800, 0x4000, 0x8000
 IN_NONBLOCK, IN_CLOEXEC = 0o4000, 0o2000000
 _MASK = (IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
          | IN_DELETE_SELF | IN_MOVE_SELF)
@@ -95,7 +98,9 @@ class Watch:
 
     A checkpoint file written, created, moved or deleted makes its model stale whatever the
     files' identity says afterwards (a same-size rewrite within one mtime tick keeps it); any
-    other event in a watched folder only asks for the identity to be compared.
+    other event in a watched folder only asks for the identity to be compared. `writes(model)`
+    counts the writes seen, so that a fill can tell whether one came while it read. The serving
+    loop reads events while the keeper adds and removes models: a lock keeps the tables whole.
     """
 
     def __init__(self):
@@ -106,41 +111,62 @@ class Watch:
                         "next acquire or within 30 s", os.strerror(ctypes.get_errno()))
         self._models: dict[int, set[str]] = {}     # watch descriptor -> models it covers
         self._files: dict[str, set[str]] = {}      # model -> names of its files (and of their link targets)
+        self._writes: dict[str, int] = {}          # model -> writes seen to its files
+        self._lock = threading.Lock()
 
     def add(self, model: str, folder: str | Path) -> None:
         """Watch `folder` and the folders its checkpoint files resolve into (symlinked blobs)."""
         files = {Path(folder) / n for n in checkpoint_files(Path(folder))}
         targets = {p.resolve() for p in files}
-        self.remove(model)
-        self._files[model] = {p.name for p in files | targets}
-        for f in {str(folder)} | {str(p.parent) for p in targets} if self.fd >= 0 else ():
-            wd = self._libc.inotify_add_watch(self.fd, os.fsencode(f), _MASK)
-            if wd >= 0:         # a folder that is gone now is caught by the identity check
-                self._models.setdefault(wd, set()).add(model)
+        with self._lock:
+            self._remove(model)
+            self._files[model] = {p.name for p in files | targets}
+            for f in {str(folder)} | {str(p.parent) for p in targets} if self.fd >= 0 else ():
+                wd = self._libc.inotify_add_watch(self.fd, os.fsencode(f), _MASK)
+                if wd >= 0:         # a folder that is gone now is caught by the identity check
+                    self._models.setdefault(wd, set()).add(model)
 
     def remove(self, model: str) -> None:
+        with self._lock:
+            self._remove(model)
+
+    def _remove(self, model: str) -> None:
         self._files.pop(model, None)
         for models in self._models.values():
             models.discard(model)
 
+    def writes(self, model: str) -> int:
+        return self._writes.get(model, 0)
+
     def changed(self) -> dict[str, str | None]:
         """Models whose folders saw events since the last call (drains the fd): "<file> was
-        written" where one of its files was, else None (compare the identity)."""
+        written" where one of its files was (or events were lost), else None (compare the identity)."""
         hit: dict[str, str | None] = {}
         while self.fd >= 0:
             try:
                 data = os.read(self.fd, 65536)
             except BlockingIOError:
                 return hit
-            for wd, mask, _, raw in _events(data):
-                models = self._models.pop(wd, set()) if mask & IN_IGNORED else self._models.get(wd, set())
-                name = os.fsdecode(raw.rstrip(b"\0"))
-                for model in models:
-                    if mask & _WRITES and name in self._files.get(model, ()):
-                        hit[model] = f"{name} was written"
-                    else:
-                        hit.setdefault(model, None)
+            with self._lock:
+                for wd, mask, _, raw in _events(data):
+                    if mask & IN_Q_OVERFLOW:
+                        log.warning("the inotify queue overflowed: events were lost, so every watched model's "
+                                    "checkpoint counts as written and is filled again")
+                        for model in self._files:
+                            self._wrote(hit, model, "inotify lost events (queue overflow)")
+                        continue
+                    models = self._models.pop(wd, set()) if mask & IN_IGNORED else self._models.get(wd, set())
+                    name = os.fsdecode(raw.rstrip(b"\0"))
+                    for model in models:
+                        if mask & _WRITES and name in self._files.get(model, ()):
+                            self._wrote(hit, model, f"{name} was written")
+                        else:
+                            hit.setdefault(model, None)
         return hit
+
+    def _wrote(self, hit: dict[str, str | None], model: str, what: str) -> None:
+        hit[model] = what
+        self._writes[model] = self._writes.get(model, 0) + 1
 
     def close(self) -> None:
         if self.fd >= 0:
