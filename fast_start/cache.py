@@ -206,6 +206,10 @@ class Cache:
                 return _no(_PARTIAL_MISS if msg.partial else self._missed(peer, self._miss(want, best)))
         if msg.files != best.files:
             return _no(_PARTIAL_MISS if msg.partial else self._missed(peer, self._files_miss(best, msg.files)))
+        denied = trust.unreadable(peer, best.model.path, [n for n, i in best.files.items() if i[2] >= 0])
+        if denied:      # knowing the fingerprint and the files' identities is not reading them
+            return _no(self._missed(peer, protocol.Miss(f"uid {peer.uid} cannot read {denied}", ["access"],
+                                                        best.model.name, "let that user read the checkpoint")))
         with self.lock:
             if best.retired:
                 return _no(protocol.Miss("the model was evicted meanwhile", [], best.model.name))
@@ -242,8 +246,8 @@ class Cache:
         """Count and log a miss (one line naming the engine and the fingerprint fields that differ)."""
         log.info("miss for pid %d uid %d: %s%s", peer.pid, peer.uid, miss.reason,
                  f"; differing fields: {', '.join(miss.fields)}" if miss.fields else "")
-        reason = "files" if "files" in miss.fields else "fingerprint" if miss.fields else \
-            "evicted" if miss.reason.startswith("evicted") else "not_cached"
+        reason = "access" if "access" in miss.fields else "files" if "files" in miss.fields else \
+            "fingerprint" if miss.fields else "evicted" if miss.reason.startswith("evicted") else "not_cached"
         self.metrics.inc("fast_start_cache_misses_total", model=miss.model or "", reason=reason)
         return miss
 

@@ -1,28 +1,32 @@
 """Serving `gpu<N>.sock`: who is let in, how many connections each user may hold, and deadlines.
 
 A peer's role is decided from the credentials of its connect (`SO_PEERCRED`, `SO_PEERGROUPS`)
-before a byte is read: *admin* (root, the daemon's own user, or a member of `admin_groups`),
-*engine* (listed in `allowed_uids` or a member of `allowed_groups`), or refused with a reply
-that says why. Each admitted connection is served by a thread of its own: one that is already
-waiting for it where there is one (starting a thread took a quarter of a millisecond of every
-engine's fetch), else a new one. A thread that has served its connection waits up to
-`WAIT_S` for the next, and one always waits. No client can lock others out:
+before a byte is read, and again, under the config of the moment (a reload may revoke a uid), at
+each request: *admin* (root, the daemon's own user, or a member of `admin_groups`), *engine*
+(listed in `allowed_uids` or a member of `allowed_groups`), or refused with a reply that says
+why. Each admitted connection is served by a thread of its own: one that is already waiting for
+it where there is one (starting a thread took a quarter of a millisecond of every engine's
+fetch), else a new one. A thread that has served its connection waits up to `WAIT_S` for the
+next, and one always waits. No client can lock others out:
 
-- at most `MAX_CONNECTIONS_PER_UID` connections per user and `limits.connections` in all
-  (from the fd budget), each refusal a reply naming the limit;
+- a user holds at most `MAX_CONNECTIONS_PER_UID` connections and all users `max_connections`
+  (from the fd budget), of which `ADMIN_RESERVE` only admins may take. A connection that finds
+  a limit reached closes the longest-idle connection (waiting for a request for `REAP_AFTER_S` or
+  more: never one an engine has just opened) of its own user, or of the user holding the most;
+  only where none is idle is it refused, with a reply naming the limit;
 - a connection waits at most `IDLE_S` for a request to begin, and a request (or a reply) must
   be complete within `FRAME_S`: a peer trickling a byte a second is cut off;
 - descriptors sent to the daemon are discarded by the kernel (`protocol.recv`).
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import queue
 import select
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 from . import protocol, transport, trust
@@ -33,6 +37,8 @@ log = logging.getLogger("fast_start.daemon")
 IDLE_S = 10.0
 FRAME_S = 10.0
 MAX_CONNECTIONS_PER_UID = 64
+ADMIN_RESERVE = 8           # of max_connections, for admins only (root's status gets in)
+REAP_AFTER_S = 1.0          # a connection idle this long may be closed to make room for a new one
 WAIT_S = 60.0               # how long a thread with no connection waits for one before it ends
 THREAD_NAME = "fast-start-connection"
 
@@ -60,7 +66,8 @@ class Policy:
 class Server:
     def __init__(self, cache: Cache, policy: Policy, max_connections: int):
         self.cache, self.policy, self.max_connections = cache, policy, max_connections
-        self.open: collections.Counter[int] = collections.Counter()     # uid -> open connections
+        # uid -> its open connections, each with when it began to wait for a request (None: busy)
+        self.open: dict[int, dict[socket.socket, float | None]] = {}
         self.lock = threading.Lock()
         self.handoff: queue.SimpleQueue = queue.SimpleQueue()           # admitted (conn, peer) for waiting threads
         self.waiting = 0            # threads waiting on `handoff`: each takes one connection or ends
@@ -82,14 +89,9 @@ class Server:
             return _refuse(conn, protocol.Error(f"uid {creds.uid} may not use this daemon",
                                                 "run as the daemon's user or list it in allowed_uids"))
         with self.lock:
-            if self.open[peer.uid] >= MAX_CONNECTIONS_PER_UID:
-                why = (f"uid {peer.uid} has {MAX_CONNECTIONS_PER_UID} connections open to this daemon, the most "
-                       "one user may have")
-            elif sum(self.open.values()) >= self.max_connections:
-                why = f"the daemon serves {self.max_connections} connections, its limit"
-            else:
-                why = None
-                self.open[peer.uid] += 1
+            why = self._room(peer)
+            if why is None:
+                self.open.setdefault(peer.uid, {})[conn] = time.monotonic()
                 handed = self.waiting > 0
                 if handed:
                     self.waiting -= 1
@@ -103,10 +105,48 @@ class Server:
                 threading.Thread(target=self.serve_connections, args=((conn, peer),), name=THREAD_NAME,
                                  daemon=True).start()
             except RuntimeError as e:       # no thread to be had (TasksMax=): this one is refused, others served
-                self.closed(peer)
+                self.closed(conn, peer.uid)
                 log.warning("refused connection from pid %d uid %d: cannot start a thread (%s)", peer.pid, peer.uid, e)
                 _refuse(conn, protocol.Error("the daemon cannot start a thread for this connection",
                                              "raise TasksMax= of the unit, or close idle connections"))
+
+    def _room(self, peer: trust.Peer) -> str | None:
+        """Make room for a connection of `peer` (under the lock): None, or why there is none."""
+        mine = self.open.get(peer.uid, {})
+        if len(mine) >= MAX_CONNECTIONS_PER_UID and not self._reap([peer.uid]):
+            return (f"uid {peer.uid} has {MAX_CONNECTIONS_PER_UID} connections open to this daemon, the most one "
+                    "user may have, and none of them idle")
+        limit = self.max_connections - (0 if peer.admin else min(ADMIN_RESERVE, self.max_connections // 2))
+        if sum(map(len, self.open.values())) >= limit and \
+                not self._reap(sorted(self.open, key=lambda uid: -len(self.open[uid]))):
+            return f"the daemon serves {limit} connections, its limit, and none of them idle"
+        return None
+
+    def _reap(self, uids: list[int]) -> bool:
+        """Close the longest-idle connection of the first of `uids` that has one idle for
+        REAP_AFTER_S (under the lock); its thread sees its end. False if there is none."""
+        now = time.monotonic()
+        for uid in uids:
+            idle = [(since, id(c), c) for c, since in self.open.get(uid, {}).items()
+                    if since is not None and now - since >= REAP_AFTER_S]
+            if idle:
+                _, _, conn = min(idle)
+                self._forget(conn, uid)
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                log.info("closed an idle connection of uid %d to make room for a new one", uid)
+                return True
+        return False
+
+    def _forget(self, conn: socket.socket, uid: int) -> bool:
+        mine = self.open.get(uid, {})
+        if mine.pop(conn, False) is False:
+            return False
+        if not mine:
+            del self.open[uid]
+        return True
 
     def serve_connections(self, first: tuple[socket.socket, trust.Peer] | None = None) -> None:
         """A connection thread: serve `first`, then each connection handed over, until none came
@@ -138,6 +178,7 @@ class Server:
                         return None
 
     def connection(self, conn: socket.socket, peer: trust.Peer) -> None:
+        creds = peer
         try:
             # An engine's request follows its connection within a millisecond (it reads the
             # checkpoint's headers meanwhile): it is watched for awake, at most `AWAKE_S`.
@@ -145,6 +186,8 @@ class Server:
             first.register(conn, select.POLLIN)
             transport.stay_awake(first, transport.AWAKE_S)
             while True:
+                if not self._waits(conn, creds.uid, True):
+                    return              # closed to make room for another
                 conn.settimeout(IDLE_S)
                 try:
                     msg, _ = protocol.recv(conn, protocol.MAX_REQUEST, protocol.REQUESTS, accept_fds=False,
@@ -157,20 +200,33 @@ class Server:
                     conn.settimeout(FRAME_S)
                     protocol.send(conn, protocol.Error(e.what, e.fix))
                     continue
-                if msg is None:
+                if msg is None or not self._waits(conn, creds.uid, False):
+                    return
+                peer = self.policy.role(peer._replace(admin=False))     # as the config says now (a reload)
+                if peer is None:
+                    conn.settimeout(FRAME_S)
+                    protocol.send(conn, protocol.Error(f"uid {creds.uid} may no longer use this daemon",
+                                                       "run as the daemon's user or list it in allowed_uids"))
                     return
                 self.answer(conn, msg, peer)
         except OSError:
             pass            # the peer went away or stalled: nothing of ours is left half-done
         finally:
+            self.closed(conn, creds.uid)
             conn.close()
-            self.closed(peer)
 
-    def closed(self, peer: trust.Peer) -> None:
+    def _waits(self, conn: socket.socket, uid: int, waiting: bool) -> bool:
+        """Mark `conn` as waiting for a request, or busy with one; False if it was closed to make room."""
         with self.lock:
-            self.open[peer.uid] -= 1
-            if not self.open[peer.uid]:
-                del self.open[peer.uid]
+            mine = self.open.get(uid, {})
+            if conn not in mine:
+                return False
+            mine[conn] = time.monotonic() if waiting else None
+            return True
+
+    def closed(self, conn: socket.socket, uid: int) -> None:
+        with self.lock:
+            self._forget(conn, uid)
 
     def answer(self, conn: socket.socket, msg, peer: trust.Peer) -> None:
         try:

@@ -5,6 +5,9 @@ user and writable by nobody else; the daemon refuses to start otherwise rather t
 directory someone else could have prepared. A client applies the same rules to the directory
 and the socket before connecting, and checks the daemon's `SO_PEERCRED` before sending.
 
+An engine is served a model's weights only if it could read the checkpoint itself
+(`unreadable`): the cache must not let a user read what the files would not let them read.
+
 Who may connect is decided by credentials, not file modes: when other users are allowed
 (`allowed_uids`, `allowed_groups`) the directory is 0755 and the socket 0666, and the daemon
 checks each peer's uid and groups (`SO_PEERCRED`, `SO_PEERGROUPS`: the credentials of the
@@ -14,13 +17,14 @@ which a hardened unit would hide or forbid). Otherwise they are 0700 and 0600.
 from __future__ import annotations
 
 import array
+import errno
 import os
 import pwd
 import socket
 import stat
 import struct
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 from .errors import ConfigError, FastStartError
 
@@ -124,3 +128,67 @@ def check_socket_path(sock_path: str | Path, trusted: TrustedUids | set[int]) ->
         if what == "directory" and st.st_mode & 0o022:
             raise TrustError(f"{what} {p} is writable by others (mode {stat.S_IMODE(st.st_mode):o})",
                              "restart the daemon so it recreates it with safe permissions")
+
+
+# POSIX ACLs as the kernel stores them (`system.posix_acl_access`): a 4-byte version, then
+# entries of tag (u16), permissions (u16), id (u32). acl(5) gives the order of the checks.
+_ACL_XATTR, _ACL_ENTRY = "system.posix_acl_access", struct.Struct("<HHI")
+_USER_OBJ, _USER, _GROUP_OBJ, _GROUP, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
+_READ, _SEARCH = 4, 1
+
+
+def unreadable(peer: Peer, folder: str | Path, names: Iterable[str]) -> str | None:
+    """The first file of `names` in `folder` that `peer` could not open for reading, by the
+    kernel's rules (search permission on every folder on the way to the file and to what a
+    symlink points at, read permission on the file; owner, group and other bits and POSIX
+    ACLs), or None. Root reads everything; so may any capability, which is not looked at: a
+    peer refused here that holds one reads the checkpoint from disk instead."""
+    if peer.uid == 0:
+        return None
+    searched: dict[Path, bool] = {}
+    for name in names:
+        path = Path(folder) / name
+        real = Path(os.path.realpath(path))
+        folders = {*path.parents, *real.parents}
+        for d in sorted(folders - searched.keys()):
+            searched[d] = _permits(d, peer, _SEARCH)
+        if not all(searched[d] for d in folders) or not _permits(real, peer, _READ):
+            return str(path)
+    return None
+
+
+def _permits(path: Path, peer: Peer, want: int) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    if st.st_uid == peer.uid:
+        return (st.st_mode >> 6) & want == want
+    try:
+        acl = _acl(path)
+    except OSError:
+        return False
+    if acl is None:
+        if st.st_gid in peer.groups:
+            return (st.st_mode >> 3) & want == want
+        return st.st_mode & want == want
+    mask = next((perm for tag, perm, _ in acl if tag == _MASK), 7)
+    for tag, perm, uid in acl:
+        if tag == _USER and uid == peer.uid:
+            return perm & mask & want == want
+    groups = [perm for tag, perm, gid in acl if (tag == _GROUP_OBJ and st.st_gid in peer.groups)
+              or (tag == _GROUP and gid in peer.groups)]
+    if groups:
+        return any(perm & mask & want == want for perm in groups)
+    return next((perm for tag, perm, _ in acl if tag == _OTHER), 0) & want == want
+
+
+def _acl(path: Path) -> list[tuple[int, int, int]] | None:
+    """The file's access ACL entries (tag, permissions, id), or None when it has none."""
+    try:
+        raw = os.getxattr(path, _ACL_XATTR)
+    except OSError as e:
+        if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return None
+        raise
+    return [_ACL_ENTRY.unpack_from(raw, at) for at in range(4, len(raw) - _ACL_ENTRY.size + 1, _ACL_ENTRY.size)]

@@ -5,17 +5,25 @@ import grp
 import json
 import os
 import pwd
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 import fast_start
+from fast_start.checkpoint import open_checkpoint
 from fast_start.errors import CacheMiss
+from fast_start.fingerprint import fingerprint
+from fast_start.serve import ADMIN_RESERVE, MAX_CONNECTIONS_PER_UID, REAP_AFTER_S
+from fast_start.watch import identity
 from devtools.harness import write_config
+from probe import wait_until
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
 NOBODY = pwd.getpwnam("nobody")
@@ -49,6 +57,16 @@ AS_NOBODY = textwrap.dedent("""
             with connect(sock, 5) as conn:
                 request(conn, protocol.Hello(protocol.VERSION))
                 print(json.dumps(request(conn, protocol.Status()).body))
+        elif what.startswith("acquire "):  # an Acquire with the fingerprint and files someone else read
+            fp, files = json.loads(what[len("acquire "):])
+            with connect(sock, 5) as conn:
+                reply, fds = request(conn, protocol.Acquire(fp, "zero_copy", files, protocol.VERSION), with_fds=True)
+                print(reply.kind, getattr(reply, "reason", ""), len(fds))
+        elif what == "hold":              # a connection kept open, asked again once stdin says so
+            with connect(sock, 5) as conn:
+                print(request(conn, protocol.Hello(protocol.VERSION)).kind, flush=True)
+                sys.stdin.readline()
+                print(request(conn, protocol.Status()).kind)
         else:                             # a fetch of the checkpoint folder `what`
             w = fast_start.fetch(fast_start.WeightSpec(what, engine_version="test"),
                                  socket_dir=os.path.dirname(sock), fallback=False)
@@ -64,10 +82,12 @@ def model(path):
 
 def as_nobody(sock_path, what: str = "hello", groups=()) -> str:
     p = subprocess.run([sys.executable, "-c", AS_NOBODY, str(sock_path), json.dumps(list(groups)), what],
-                       capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                       capture_output=True, text=True, timeout=120, env=ENV)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     return p.stdout.strip()
+
+
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
 def readable_copy(small, open_dir) -> Path:
@@ -204,3 +224,81 @@ def test_socket_is_0600_and_no_abstract_socket_is_created(tmp_path, small, daemo
     paths = [row[7] for row in ours if len(row) > 7]
     assert str(d.socket) in paths
     assert not [p for p in paths if p.startswith("@")]
+
+
+@root_only
+def test_a_uid_that_cannot_read_the_checkpoint_gets_no_weights_from_the_cache(tmp_path, open_dir, small, daemons):
+    """Knowing a model's fingerprint and its files' identities (`fast-start fingerprints` shows
+    them) is not reading it: the daemon serves only an engine that could read the files itself."""
+    secret = shutil.copytree(small, open_dir / "secret")
+    secret.chmod(0o700)                                  # root's alone
+    folder = readable_copy(small, open_dir)
+    cfg = write_config(tmp_path / "fs.toml", open_dir / "run", [model(secret), {**model(folder), "name": "open"}],
+                       allowed_uids=[NOBODY.pw_uid])
+    d = daemons(cfg)
+    asked = []
+    for path in (secret, folder):
+        fp = fingerprint(fast_start.WeightSpec(str(path), engine_version="test"), open_checkpoint(path)).to_dict()
+        asked.append(as_nobody(d.socket, "acquire " + json.dumps([fp, identity(path)])))
+    assert asked == [f"miss uid 65534 cannot read {secret}/config.json 0", "acquired  1"]
+    assert fast_start.fetch(fast_start.WeightSpec(str(secret), engine_version="test"),
+                            socket_dir=str(open_dir / "run"), fallback=False).source == "cache"   # root may
+
+
+@root_only
+def test_a_uid_revoked_by_a_reload_is_refused_on_the_connections_it_holds(tmp_path, open_dir, small, daemons):
+    folder = readable_copy(small, open_dir)
+    cfg = write_config(tmp_path / "fs.toml", open_dir / "run", [model(folder)], allowed_uids=[NOBODY.pw_uid])
+    d = daemons(cfg)
+    holder = subprocess.Popen([sys.executable, "-c", AS_NOBODY, str(d.socket), "[]", "hold"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    assert holder.stdout.readline().strip() == "welcome"
+    write_config(tmp_path / "fs.toml", open_dir / "run", [model(folder)], allowed_uids=[12345])
+    d.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "reloaded" in d.log.read_text(), 60, "the reload")
+    out, err = holder.communicate("\n", timeout=60)
+    assert out.strip() == ("error uid 65534 may no longer use this daemon (fix: run as the daemon's user or list it "
+                           "in allowed_uids)"), err
+
+
+# Opens up to N connections as uid U and holds them, idle, until stdin closes.
+HOLD = textwrap.dedent("""
+    import os, socket, sys
+    path, uid, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    os.setgroups([]); os.setgid(65534); os.setuid(uid)
+    held = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        held.append(s)
+    print(len(held), flush=True)
+    sys.stdin.read()
+""")
+
+
+@root_only
+def test_idle_connections_yield_to_new_ones_and_admins_always_get_in(tmp_path, open_dir, small, daemons):
+    """Four users hold every connection they may, idle; root still gets in at once (a reserve), and
+    once those are idle for REAP_AFTER_S a user's new connection takes the place of an idle one: its
+    own engines fetch from the cache and its status answers."""
+    folder = readable_copy(small, open_dir)
+    uids = [NOBODY.pw_uid, 65533, 65532, 65531]
+    cfg = write_config(tmp_path / "fs.toml", open_dir / "run", [model(folder)], allowed_uids=uids)
+    d = daemons(cfg, rlimits={resource.RLIMIT_NOFILE: 1024})
+    holders = [subprocess.Popen([sys.executable, "-c", HOLD, str(d.socket), str(uid), str(MAX_CONNECTIONS_PER_UID)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for uid in uids]
+    try:
+        assert [int(h.stdout.readline()) for h in holders] == [MAX_CONNECTIONS_PER_UID] * 4
+        started = time.monotonic()
+        r = subprocess.run([Path(sys.executable).parent / "fast-start", "status", "--config", cfg, "--json"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and json.loads(r.stdout)[0]["state"] == "ready", r.stderr
+        time.sleep(max(0.0, REAP_AFTER_S - (time.monotonic() - started)) + 0.2)
+        assert as_nobody(d.socket, str(folder)) == "cache"
+        seen = json.loads(as_nobody(d.socket, f"status {folder}"))
+        assert seen["state"] == "ready"
+        assert "closed an idle connection of uid" in d.log.read_text()
+    finally:
+        for h in holders:
+            h.communicate("", timeout=30)
+    assert ADMIN_RESERVE > 0
