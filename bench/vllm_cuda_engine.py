@@ -5,7 +5,10 @@
 Reports greedy tokens for fixed prompts, a digest of every parameter and buffer, the parameters
 whose memory lies inside PyTorch's CUDA allocator (`torch.cuda.memory_snapshot` segments: a
 zero-copy parameter lies in a mapped arena instead), the weights' source, the loader's stage and
-the attention backend modules the engine imported.
+the attention backend modules the engine imported. `"sleep": 1` or `2` runs the engine with
+`enable_sleep_mode`, then sleeps and wakes it at that level (level 2 reloads the weights with
+`reload_weights` between waking them and the KV cache), `"reload": true` runs `reload_weights`:
+the tokens and the digest are then taken again (`after`). `"gpu_memory_utilization"` (default 0.3).
 """
 from __future__ import annotations
 
@@ -78,17 +81,32 @@ def main() -> None:
     if args.get("profile"):
         profiled(args["profile"])
     start = time.perf_counter()
+    level = args.get("sleep", 0)
     llm = LLM(args["model"], load_format=args.get("load_format", "auto"),
               model_loader_extra_config=args.get("extra") or {}, dtype="bfloat16", skip_tokenizer_init=True,
-              max_model_len=512, enforce_eager=True, gpu_memory_utilization=0.3, seed=0)
+              max_model_len=512, enforce_eager=True, gpu_memory_utilization=args.get("gpu_memory_utilization", 0.3),
+              seed=0, **({"enable_sleep_mode": True} if level else {}))
     llm_s = time.perf_counter() - start
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                           SamplingParams(temperature=0.0, max_tokens=16, detokenize=False, logprobs=2))
+    params = SamplingParams(temperature=0.0, max_tokens=16, detokenize=False, logprobs=2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     # Per step, how far the chosen token's log-probability lies above the runner-up's: where two
     # engines' tokens part, a margin near zero there says a rounding difference decided a near tie.
     margins = [[round(_margin(step), 5) for step in o.outputs[0].logprobs or []] for o in outputs]
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "margins": margins, "llm_s": round(llm_s, 3),
               **llm.apply_model(report)[0]}
+    if level or args.get("reload"):
+        if level:
+            llm.sleep(level=level)
+            if level == 2:      # the weights were discarded: vLLM's recipe is wake them, reload, wake the rest
+                llm.wake_up(tags=["weights"])
+                llm.collective_rpc("reload_weights")
+                llm.wake_up(tags=["kv_cache"])
+            else:
+                llm.wake_up()
+        else:
+            llm.collective_rpc("reload_weights")
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        result["after"] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], **llm.apply_model(report)[0]}
     with open(args["out"], "w") as f:
         json.dump(result, f)
 

@@ -19,6 +19,7 @@ import mmap
 import os
 import types
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,9 @@ _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_
 _WRITE_STEP = 1 << 26
 _CHUNK = 1 << 28   # bytes per checksum step (a multiple of _BLOCK)
 _BLOCK = 4096
+# Every read-only map of this process, by address, while a tensor uses it: what `detach.py` makes
+# the engine's own (an Imported object on a GPU, the mmap object on the CPU).
+maps: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class MemfdWriter:
@@ -89,7 +93,9 @@ def map_readonly(fd: int, size: int, arena_device: str, device: torch.device) ->
         ordinal = device.index if device.index is not None else torch.cuda.current_device()
         if cudadrv.device_uuid(ordinal) == arena_device:
             # torch keeps a reference to the Imported object for as long as any view of the tensor lives.
-            return torch.as_tensor(Imported(fd, size, ordinal, readonly=True), device=f"cuda:{ordinal}")
+            imported = Imported(fd, size, ordinal, readonly=True)
+            maps[imported.ptr] = imported
+            return torch.as_tensor(imported, device=f"cuda:{ordinal}")
     raise ArenaError(f"arena on {arena_device} cannot be mapped on {device}",
                      "fetch on the device the daemon serves")
 
@@ -156,7 +162,9 @@ def _map_memfd(fd: int, size: int) -> torch.Tensor:
     with warnings.catch_warnings():
         # torch warns that the buffer is not writable: that is the point of a read-only map.
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(mm, dtype=torch.uint8)
+        flat = torch.frombuffer(mm, dtype=torch.uint8)
+    maps[flat.data_ptr()] = mm
+    return flat
 
 
 def tensors(manifest: Manifest, fds: list[int], mode: str, device: torch.device) -> dict[str, torch.Tensor]:

@@ -1,8 +1,9 @@
-"""The engine's few CUDA driver calls, through ctypes: name the GPU, import and map an arena fd.
+"""The engine's few CUDA driver calls, through ctypes: name the GPU, import and map an arena fd,
+and make a mapped range the process's own (`own`).
 
 The engine side runs these on every start. `cuda-bindings` (which the daemon and the fill worker
 use, `gpus.py` and `vmm.py`) takes 36 ms to import on the H200 machine, more than the whole
-fetch may; `libcuda.so.1` is already loaded by the engine's torch, and these nine calls have
+fetch may; `libcuda.so.1` is already loaded by the engine's torch, and these few calls have
 plain C signatures. Every call's result is checked; an error names the call and its code.
 """
 from __future__ import annotations
@@ -23,6 +24,12 @@ class _AccessDesc(ctypes.Structure):       # CUmemAccessDesc: a CUmemLocation, t
     _fields_ = [("type", _int), ("id", _int), ("flags", _int)]
 
 
+class _AllocProp(ctypes.Structure):        # CUmemAllocationProp: pinned device memory, no handle type
+    _fields_ = [("type", _int), ("handle_types", _int), ("location_type", _int), ("location_id", _int),
+                ("win32_metadata", ctypes.c_void_p), ("compression", ctypes.c_ubyte),
+                ("rdma", ctypes.c_ubyte), ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
 _SIGNATURES = {
     "cuInit": [ctypes.c_uint],
     "cuDeviceGet": [ctypes.POINTER(_int), _int],
@@ -34,7 +41,11 @@ _SIGNATURES = {
     "cuMemRelease": [_u64],
     "cuMemUnmap": [_u64, _size],
     "cuMemAddressFree": [_u64, _size],
+    "cuMemCreate": [ctypes.POINTER(_u64), _size, ctypes.POINTER(_AllocProp), ctypes.c_ulonglong],
+    "cuMemcpyDtoD_v2": [_u64, _u64, _size],
+    "cuCtxSynchronize": [],
 }
+_OUT_OF_MEMORY = 2          # CUDA_ERROR_OUT_OF_MEMORY
 _lib = None
 _uuids: dict[int, str] = {}
 
@@ -101,6 +112,38 @@ def unmap(ptr: int, size: int) -> None:
     lib = _driver()
     _check(lib.cuMemUnmap(ptr, size), "cuMemUnmap")
     _check(lib.cuMemAddressFree(ptr, size), "cuMemAddressFree")
+
+
+def own(ptr: int, size: int, ordinal: int) -> None:
+    """Make the range mapped at `ptr` this process's own writable memory with the same bytes, at
+    the same address (every pointer into it, a CUDA graph's too, stays valid): a new allocation
+    is filled from the range through a second mapping, then mapped in its place. The caller's
+    context must be current and nothing may be running that reads the range. ArenaError naming
+    the shortfall when the GPU has no room for `size` more bytes; the range is unchanged then."""
+    lib, handle, tmp = _driver(), _u64(), _u64()
+    prop = _AllocProp(1, 0, _LOCATION_DEVICE, ordinal)      # CU_MEM_ALLOCATION_TYPE_PINNED
+    code = lib.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(prop), 0)
+    if code == _OUT_OF_MEMORY:
+        raise ArenaError(f"GPU {ordinal} has no room for a {size / 2**30:.2f} GiB copy of the weights mapped from "
+                         "the daemon", "load the engine with mode copy, or leave that much of the GPU free")
+    _check(code, "cuMemCreate")
+    try:
+        _check(lib.cuMemAddressReserve(ctypes.byref(tmp), size, 0, 0, 0), "cuMemAddressReserve")
+        try:
+            _check(lib.cuMemMap(tmp, size, 0, handle, 0), "cuMemMap")
+            try:
+                set_access(tmp.value, size, ordinal, readonly=False)
+                _check(lib.cuMemcpyDtoD_v2(tmp, ptr, size), "cuMemcpyDtoD")
+                _check(lib.cuCtxSynchronize(), "cuCtxSynchronize")
+            finally:
+                lib.cuMemUnmap(tmp, size)
+        finally:
+            lib.cuMemAddressFree(tmp, size)
+        _check(lib.cuMemUnmap(ptr, size), "cuMemUnmap")
+        _check(lib.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
+        set_access(ptr, size, ordinal, readonly=False)
+    finally:
+        lib.cuMemRelease(handle)            # the mapping at `ptr` holds it from here on
 
 
 def loaded() -> bool:

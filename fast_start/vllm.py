@@ -28,11 +28,18 @@
 
 Options come from `--model-loader-extra-config`: `mode` (zero_copy | copy), `fallback`
 (default true), `socket_dir`, `connect_timeout_s`.
+
+A zero_copy engine's weights are the daemon's, mapped read-only; the engine's features that write
+weights are handled before they can fault: sleep mode (which frees and restores the engine's own
+weight memory) and weight transfer (`weight_transfer_config`: a trainer's updates written into
+the weights) are refused at start, naming the fix (mode copy); `reload_weights` first makes the
+maps the engine's own memory at the same addresses (`detach.py`), then reloads as vLLM does.
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import logging
 import os
 import time
@@ -85,6 +92,8 @@ def _wrap_runners(count: bool) -> None:
         except (ImportError, AttributeError):      # a build without that runner
             continue
         runner.load_model = _loading(runner.load_model, count)
+        if hasattr(runner, "reload_weights"):
+            runner.reload_weights = _detaching(runner.reload_weights)
 
 
 def _loading(load_model, count: bool):
@@ -99,6 +108,35 @@ def _loading(load_model, count: bool):
             log.info("fast-start: %.2f GiB mapped from the daemon counted as the model's memory", mapped / 2**30)
         return result
     return load
+
+
+def _detaching(reload_weights):
+    def reload(self, *args, **kwargs):
+        model = self.get_model()
+        mapped = getattr(model, "fast_start_mapped_bytes", 0)
+        if mapped:
+            from .detach import detach
+            log.warning("fast-start: reload_weights writes the weights in place: the %.2f GiB this engine maps "
+                        "read-only from the daemon are copied into its own memory first (mode copy avoids this)",
+                        mapped / 2**30)
+            detach(itertools.chain(model.parameters(), model.buffers()))
+            model.fast_start_mapped_bytes = 0
+        return reload_weights(self, *args, **kwargs)
+    return reload
+
+
+def refusal(vllm_config, mode: str) -> str | None:
+    """Why an engine feature that writes weights cannot run on weights mapped from the daemon."""
+    if mode != "zero_copy":
+        return None
+    fix = "load with --model-loader-extra-config '{\"mode\": \"copy\"}'"
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+        return (f"fast-start: enable_sleep_mode frees and restores the engine's own weight memory, and a zero_copy "
+                f"engine's weights are the daemon's, mapped read-only; {fix}")
+    if getattr(vllm_config, "weight_transfer_config", None) is not None:
+        return (f"fast-start: weight_transfer_config writes a trainer's weights into the engine's, and a zero_copy "
+                f"engine's weights are the daemon's, mapped read-only; {fix}")
+    return None
 
 
 # Each option's JSON types and how an error message names them.
@@ -148,8 +186,13 @@ class FastStartLoader(BaseModelLoader):
         self.default_loader().download_model(model_config)
 
     def load_weights(self, model: torch.nn.Module, model_config) -> None:
-        # In-place reloads (vLLM's reload_weights) read the checkpoint as vLLM does.
+        # In-place reloads read the checkpoint as vLLM does (a zero_copy model's maps were made
+        # the engine's own first: `_detaching`).
         self.default_loader().load_weights(model, model_config)
+
+    def get_all_weights(self, model_config, model: torch.nn.Module):
+        """The checkpoint's tensors, as vLLM's `reload_weights` asks a loader for them."""
+        return self.default_loader().get_all_weights(model_config, model)
 
     def get_external_weight_memory(self, vllm_config) -> int:
         """Bytes a zero-copy engine will map from the daemon: vLLM counts them as used."""
@@ -175,6 +218,9 @@ class FastStartLoader(BaseModelLoader):
 
     def _load_model(self, vllm_config, model_config, prefix: str) -> torch.nn.Module:
         o = self.options
+        refused = refusal(vllm_config, o.mode)
+        if refused:
+            raise ValueError(refused)
         # vLLM times this call inside DeviceMemoryProfiler, whose gc.collect() calls scan the whole
         # startup heap: 0.3-0.5 s each with vLLM imported (623k objects), three of them. vLLM
         # freezes that heap itself once the engine is up (freeze_gc_heap); freezing it here, as

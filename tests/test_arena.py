@@ -130,3 +130,23 @@ def test_checksum_catches_a_flipped_bit_and_ignores_alignment():
     unaligned = torch.cat([torch.zeros(1, dtype=torch.bfloat16), t])[1:]   # data_ptr % 8 == 2
     assert checksum(unaligned) == checksum(t)
 
+
+
+def test_detach_makes_a_zero_copy_map_the_engines_own_at_the_same_addresses(tmp_path, small, daemons):
+    """What vLLM's reload_weights gets on a zero_copy engine: its weights writable where they were,
+    the daemon's sealed memfd unwritten (a write before the detach would fault)."""
+    from devtools.harness import write_config
+    from fast_start.detach import detach
+    daemons(write_config(tmp_path / "fs.toml", tmp_path / "run",
+                         [{"name": "small", "path": str(small), "gpus": [0], "engine_version": "test"}]))
+    spec = fast_start.WeightSpec(str(small), engine_version="test")
+    w = fast_start.fetch(spec, socket_dir=str(tmp_path / "run"), fallback=False)
+    before = {n: (t.data_ptr(), t.clone()) for n, t in w.items()}
+    assert detach(list(w.values())[:1]) >= w[next(iter(w))].nbytes     # the map of the first tensor, whole
+    assert detach(w.values()) == 0                                        # one arena: nothing else to detach
+    for n, t in w.items():
+        assert t.data_ptr() == before[n][0] and torch.equal(t, before[n][1])
+        t.view(torch.uint8).add_(1)
+    again = fast_start.fetch(spec, socket_dir=str(tmp_path / "run"), fallback=False)
+    for n, t in again.items():
+        assert torch.equal(t, before[n][1]) and not torch.equal(w[n], before[n][1]), n

@@ -14,7 +14,12 @@ import pytest
 import torch
 
 import fast_start
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from devtools import synth
 from devtools.harness import write_config
+from test_exit import assert_left_cleanly, engine_exits, fetch_threads
 from test_tp_forward import assert_close_bf16, reference, run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -253,3 +258,84 @@ def test_transformers_model_from_a_cuda_daemon(tmp_path, llama, daemons, mode):
         got = m.generate(ids, max_new_tokens=12, do_sample=False)
         want = ref.generate(ids, max_new_tokens=12, do_sample=False)
     assert m.fast_start_source == "cache" and torch.equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """A 4.2 GiB Llama-shaped checkpoint (one random tensor per shape, repeated)."""
+    return synth.write_checkpoint(tmp_path_factory.mktemp("big"), synth.llama_of_size(int(4.2 * 2**30)), files=2,
+                                  reuse=True)
+
+
+@pytest.mark.parametrize("mode", ["zero_copy", "copy"])
+def test_twenty_fresh_engines_fetch_four_gib_and_leave_with_their_own_status(tmp_path, big, daemons, mode):
+    """What a test, a health check or a warm-up script does: a fresh process fetches and exits at
+    once, or forks first; four at a time, twenty of each."""
+    d = daemons(cuda_config(tmp_path, [model("big", big)]), wait=False).wait_ready(600)
+    for how in ("end", "fork"):
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda _: engine_exits(d.socket_dir, big, "cuda:0", mode, how), range(20)))
+        for out in outs:
+            assert_left_cleanly(out, how)
+
+
+def test_a_fetch_on_a_gpu_starts_no_thread(tmp_path, llama, daemons):
+    d = daemons(cuda_config(tmp_path, [model("llama", llama)]))
+    before, after = fetch_threads(d.socket_dir, llama, "cuda:0")
+    assert before == after
+
+
+def test_detach_makes_the_maps_the_engines_own_at_the_same_addresses(tmp_path, llama, daemons):
+    """What vLLM's reload_weights gets on a zero_copy engine: the weights writable where they were
+    (a CUDA graph's pointers stay valid), the daemon's cache unwritten."""
+    from fast_start.detach import detach
+    daemons(cuda_config(tmp_path, [model("llama", llama)]))
+    spec = fast_start.WeightSpec(str(llama), engine_version="test")
+    w = fast_start.fetch(spec, device="cuda:0", socket_dir=str(tmp_path / "run"), fallback=False)
+    before = {n: (t.data_ptr(), raw(t).clone()) for n, t in w.items()}
+    assert detach(w.values()) >= sum(t.nbytes for t in w.tensors.values()) > 0
+    for n, t in w.items():
+        assert t.data_ptr() == before[n][0] and torch.equal(raw(t), before[n][1])
+        t.view(torch.uint8).add_(1)
+    torch.cuda.synchronize()
+    again = fast_start.fetch(spec, device="cuda:0", socket_dir=str(tmp_path / "run"), fallback=False)
+    for n, t in again.items():
+        assert torch.equal(raw(t), before[n][1]) and not torch.equal(raw(w[n]), before[n][1]), n
+    assert detach(w.values()) == 0             # nothing left to detach
+
+
+def vllm_engine(out: Path, model_path: Path, **args) -> tuple[int, dict, str]:
+    """One vLLM engine (bench/vllm_cuda_engine.py) in a fresh process: exit status, report, log."""
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        rc = subprocess.run([sys.executable, "-m", "bench.vllm_cuda_engine",
+                             json.dumps({"model": str(model_path), "out": str(out), **args})],
+                            stdout=f, stderr=subprocess.STDOUT, timeout=600, cwd=Path(__file__).parent.parent).returncode
+    return rc, json.loads(out.read_text()) if out.exists() else {}, log.read_text(errors="replace")
+
+
+def test_vllm_sleep_mode_and_reload_weights_end_with_the_default_loaders_weights(tmp_path, daemons):
+    """vLLM's features that write weights, at its default gpu_memory_utilization: sleep and wake at
+    levels 1 and 2 in copy mode, and reload_weights in zero_copy, give the default loader's
+    tokens and weights; sleep mode in zero_copy is refused at start in one line."""
+    vllm = pytest.importorskip("vllm")
+    from bench.vllm_cuda import DENSE
+    path = synth.write_checkpoint(tmp_path / "qwen3", DENSE, seed=7)
+    models = [{"name": "qwen3", "path": str(path), "gpus": [0], "layout": "vllm", "engine_version": vllm.__version__}]
+    daemons(cuda_config(tmp_path, models, worker_python=sys.executable), wait=False).wait_ready(600)
+    options = {"socket_dir": str(tmp_path / "run"), "fallback": False}
+    rc, want, log = vllm_engine(tmp_path / "default.json", path, gpu_memory_utilization=0.9)
+    assert rc == 0, log[-4000:]
+    runs = {f"copy-sleep-{level}": dict(sleep=level, extra={**options, "mode": "copy"}) for level in (1, 2)}
+    runs["zero_copy-reload"] = dict(reload=True, extra={**options, "mode": "zero_copy"})
+    for name, args in runs.items():
+        rc, got, log = vllm_engine(tmp_path / f"{name}.json", path, load_format="fast_start",
+                                   gpu_memory_utilization=0.9, **args)
+        assert rc == 0, (name, log[-4000:])
+        assert got["source"] == "cache", name
+        assert got["tokens"] == got["after"]["tokens"] == want["tokens"], name
+        assert got["digest"] == got["after"]["digest"] == want["digest"], name
+    rc, _, log = vllm_engine(tmp_path / "refused.json", path, load_format="fast_start", sleep=1,
+                             gpu_memory_utilization=0.9, extra={**options, "mode": "zero_copy"})
+    assert rc != 0 and "fast-start: enable_sleep_mode frees and restores the engine's own weight memory" in log, \
+        log[-4000:]

@@ -187,6 +187,26 @@ def test_copy_mode_loads_from_the_cache_and_the_daemon_receives_the_release(work
     assert evictions(d) == [("llama", "release")]
 
 
+@pytest.mark.parametrize("mode", ["zero_copy", "copy"])
+def test_reload_weights_ends_with_the_default_loaders_weights_and_never_writes_the_cache(work, checkpoints,
+                                                                                     reference, cache, mode):
+    """vLLM's in-place reload writes every weight: a zero_copy engine's maps are made its own
+    memory first (at the same addresses), so the reload neither faults nor writes the daemon's."""
+    got, log = run_engine(work / f"reload-{mode}.log", checkpoints["llama"], 1, "fast_start",
+                          {"mode": mode, "socket_dir": str(cache), "fallback": False}, reload=True)
+    want = reference["llama", 1]
+    assert got["tokens"] == got["reloaded"]["tokens"] == want["tokens"]
+    (before,), (after,) = got["ranks"], got["reloaded"]["ranks"]
+    assert before["source"] == "cache" and after["final"] == before["final"] == want["ranks"][0]["final"]
+    if mode == "zero_copy":     # (on vLLM's CPU build processing replaces the linear weights with its own)
+        assert len(before["final_outside_arena"]) < len(before["as_loaded"])
+        assert "copied into its own memory first" in log
+    assert sorted(after["final_outside_arena"]) == sorted(before["as_loaded"])     # none is the daemon's now
+    again, _ = run_engine(work / f"after-reload-{mode}.log", checkpoints["llama"], 1, "fast_start",
+                          {"socket_dir": str(cache), "fallback": False})
+    assert_same_weights(again, want)          # the cache holds what it held
+
+
 @pytest.fixture
 def stale_cache(tmp_path, checkpoints, daemons):
     """A daemon prewarmed for another vLLM version."""

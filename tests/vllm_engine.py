@@ -5,10 +5,11 @@
 Reports, per TP rank: a SHA-256 of every parameter as loaded (just before vLLM's
 `process_weights_after_loading`, recorded by wrapping it) and of every parameter, buffer and
 tensor attribute after it; what vLLM recorded of each module for `reload_weights`; the
-parameters that, as loaded, lie outside every fast-start arena mapped into the process (their
-data pointers against the `memfd:fast-start:` mappings in /proc/self/maps); where the
+parameters that, as loaded and at the end, lie outside every fast-start arena mapped into the
+process (their data pointers against the `memfd:fast-start:` mappings in /proc/self/maps); where the
 fast-start loader set it, `fast_start_source`; the external weight bytes the loader announces;
-and the greedy tokens for fixed prompts.
+and the greedy tokens for fixed prompts. With `"reload": true`, vLLM's `reload_weights` then
+runs and the tokens and the report are taken again (`reloaded`).
 """
 from __future__ import annotations
 
@@ -97,7 +98,11 @@ def report(config, model: torch.nn.Module) -> dict:
     external = get_model_loader(config.load_config).get_external_weight_memory(config)
     final = {n: digest(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
     as_loaded, outside = AS_LOADED[id(model)]
+    mapped = arenas()
+    now_outside = [n for n, p in model.named_parameters()
+                   if not any(lo <= p.data_ptr() and p.data_ptr() + p.nbytes <= hi for lo, hi in mapped)]
     return {"rank": rank, "as_loaded": as_loaded, "final": final, "outside_arena": outside,
+            "final_outside_arena": now_outside,
             "attrs": tensor_attrs(model), "reload": reload_record(model),
             "source": getattr(model, "fast_start_source", None), "external_bytes": external}
 
@@ -116,6 +121,12 @@ def main() -> None:
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     ranks = sorted(llm.apply_model(functools.partial(report, llm.llm_engine.vllm_config)), key=lambda r: r["rank"])
     result = {"prompts": PROMPTS, "tokens": [list(o.outputs[0].token_ids) for o in outputs], "ranks": ranks}
+    if args.get("reload"):      # vLLM's in-place reload from the checkpoint, then the same prompts again
+        llm.collective_rpc("reload_weights")
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        result["reloaded"] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                              "ranks": sorted(llm.apply_model(functools.partial(report, llm.llm_engine.vllm_config)),
+                                              key=lambda r: r["rank"])}
     with open(args["out"], "w") as f:
         json.dump(result, f)
 
