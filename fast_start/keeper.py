@@ -1,11 +1,10 @@
 """The keeper: a daemon thread that keeps the cache in line with the checkpoints and the config.
 
-A change the inotify watch reports is acted on by the serving loop itself (`changed`): a model
-whose checkpoint changed stops being served at once, whatever the keeper is busy with. Off the
-serving loop, one thing at a time, the keeper compares every model's files with its fill's every
-`RECHECK_S`, refills a changed model once its files have stayed the same for `SETTLE_S` and the
-checkpoint is usable, and
-applies a reloaded config (SIGHUP): new models filled, removed or changed ones dropped, the rest
+A write the inotify watch reports is acted on by the serving loop itself (`changed`): a model one
+of whose files was written stops being served at once, whatever the keeper is busy with. Off the
+serving loop, one thing at a time, the keeper compares a model's files with its fill's on other
+events in its folder and every `RECHECK_S`, refills a changed model once its files have stayed
+the same for `SETTLE_S` and the checkpoint is usable, and applies a reloaded config (SIGHUP): new models filled, removed or changed ones dropped, the rest
 kept. Fills run in worker children like the start-up's; the new arena is served the moment it is
 complete, and engines that mapped the old one keep it.
 """
@@ -51,15 +50,19 @@ class Keeper:
             self.thread.join(timeout)
 
     def put(self, kind: str, arg=None) -> None:
-        """Queue "fill" (a model name: now), "retry" (a model name: now unless a retry is due),
-        "reload" or "stop"."""
+        """Queue "check" (a model name: compare its files), "fill" (a model name: now), "retry" (a
+        model name: now unless a retry is due), "reload" or "stop"."""
         self.jobs.put((kind, arg))
 
     def changed(self, hit: dict[str, str | None]) -> None:
         """On the serving loop: what the watch saw ({model: what was written, or None: compare the
-        files' identity}). A model whose checkpoint changed is no longer served from here on."""
+        files' identity}). A model one of whose files was written is no longer served from here
+        on; the comparisons, which stat the files (a hung NFS mount blocks there), are the keeper's."""
         for name, written in hit.items():
-            self.check(name, written)
+            if written:
+                self.check(name, written)
+            else:
+                self.put("check", name)
 
     def run(self) -> None:
         next_sweep = time.monotonic() + RECHECK_S
@@ -70,7 +73,9 @@ class Keeper:
             except queue.Empty:
                 kind, arg = None, None
             try:
-                if kind == "fill":
+                if kind == "check":
+                    self.check(arg)
+                elif kind == "fill":
                     self.retry[arg] = time.monotonic()
                 elif kind == "retry":
                     self.retry.setdefault(arg, time.monotonic())
@@ -98,7 +103,8 @@ class Keeper:
 
     def check(self, name: str, written: str | None = None) -> None:
         """Compare `name`'s files with its fill's (or take the watch's word that one was
-        `written`); a stale or failed model is looked at again. Safe on any thread."""
+        `written`: no file is looked at then); a stale or failed model is looked at again. Safe on
+        any thread."""
         entry = self.d.cache.entries.get(name)
         if entry is not None:
             changed = written or watch.differs(entry.files, watch.identity(entry.model.path), gone_is_change=False)
