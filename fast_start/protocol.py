@@ -11,7 +11,7 @@ Trust model: the socket lives in a directory only the daemon's user can write; t
 checks every peer's uid and groups with `SO_PEERCRED`/`SO_PEERGROUPS` before reading a byte,
 and a client checks the directory, the socket and the daemon's credentials before sending one.
 An arena fd is a read capability for that model's weights and is only ever sent to a peer that
-passed this check. Inside that boundary peers are still not trusted to be well-formed: any
+passed this check and could read the checkpoint's files itself (`trust.unreadable`). Inside that boundary peers are still not trusted to be well-formed: any
 frame may be garbage, oversized, truncated or slow, and gets an error reply or a closed
 connection, never a crash or a stall of other connections. The daemon receives frames with no
 room for ancillary data, so file descriptors sent *to* it are discarded by the kernel and
