@@ -207,6 +207,19 @@ def test_reload_weights_ends_with_the_default_loaders_weights_and_never_writes_t
     assert_same_weights(again, want)          # the cache holds what it held
 
 
+def test_features_that_write_weights_are_refused_at_start_in_zero_copy_only():
+    """Weight transfer writes a trainer's weights in place (sleep mode too: the H200 test runs it):
+    a zero_copy engine refuses it as the load starts, naming the fix; copy mode allows it."""
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from fast_start.vllm import refusal
+    config = VllmConfig(weight_transfer_config=WeightTransferConfig())
+    assert refusal(config, "zero_copy") == (
+        "fast-start: weight_transfer_config writes a trainer's weights into the engine's, and a zero_copy engine's "
+        "weights are the daemon's, mapped read-only; load with --model-loader-extra-config '{\"mode\": \"copy\"}'")
+    assert refusal(config, "copy") is None and refusal(VllmConfig(), "zero_copy") is None
+
+
 @pytest.fixture
 def stale_cache(tmp_path, checkpoints, daemons):
     """A daemon prewarmed for another vLLM version."""
