@@ -30,7 +30,7 @@ from . import config as configs
 from .config import ConfigError
 from .errors import CheckpointError, FastStartError, NoDaemon, Refused
 from .fingerprint import Fingerprint, WeightSpec, checkpoint_hash, fingerprint
-from .headers import size_fault, weight_files
+from .headers import raw_header, size_fault, weight_files
 from .transport import DEFAULT_SOCKET_DIR, connect, request, socket_path, state_path
 from .trust import TrustError
 
@@ -308,9 +308,10 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
            config: Path = CONFIG, as_json: bool = JSON):
     """Does the cache match this checkpoint? Exit 0 on a match, 1 on a mismatch or nothing cached."""
     directory = socket_dir(config)
-    headers = checkpoint_hash(model)
-    for name in weight_files(model):        # a damaged file matches no cache: name its fault
-        fault = size_fault(model / name)
+    raws = {name: raw_header(model / name) for name in weight_files(model)}
+    headers = checkpoint_hash(model, known=raws)
+    for name, raw in raws.items():          # a damaged file matches no cache: name its fault
+        fault = size_fault(model / name, raw)
         if fault:
             raise CheckpointError(fault, "re-download or re-export this file; the daemon refills it once it is whole")
     files = watch.identity(model)

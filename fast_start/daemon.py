@@ -183,9 +183,8 @@ class Daemon:
                                  "raise memory_budget or serve fewer or smaller models on this GPU")
 
     def write_state(self, state: str, **extra) -> None:
-        files.write_atomic(state_path(self.directory, self.gpu),
-                           json.dumps({"gpu": self.gpu, "state": state, "pid": os.getpid(), "time": time.time(), **extra}),
-                           0o600)
+        body = {"gpu": self.gpu, "state": state, "pid": os.getpid(), "time": time.time(), **extra}
+        files.write_atomic(state_path(self.directory, self.gpu), json.dumps(body), 0o600)
 
     def device(self) -> str:
         return "cpu" if self.cfg.daemon.device == "cpu" else f"cuda:{self.gpu}"

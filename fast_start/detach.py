@@ -26,7 +26,7 @@ _libc = None
 
 def detach(tensors: Iterable[torch.Tensor]) -> int:
     """Make every read-only arena map any of `tensors` lies in this process's own; the bytes made so."""
-    spans = [(address, holder) for address, holder in list(arena.maps.items())]
+    spans = list(arena.maps.items())
     hit: dict[int, object] = {}
     for t in tensors:
         p = t.data_ptr()

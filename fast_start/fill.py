@@ -126,15 +126,14 @@ class Worker:
                 if msg is None:
                     raise FillError(f"the fill worker exited with code {self.proc.wait()}",
                                     "see the traceback in the log")
-                if got and not isinstance(msg, protocol.Filled):
+                wrong = isinstance(msg, FINAL) and not isinstance(msg, ANSWER[job.kind])
+                if got and (wrong or not isinstance(msg, protocol.Filled)):
                     for fd in got:
                         os.close(fd)
                     got = []
                 if isinstance(msg, protocol.Error):
                     raise FillError(msg.what, msg.fix)
-                if isinstance(msg, FINAL) and not isinstance(msg, ANSWER[job.kind]):
-                    for fd in got:
-                        os.close(fd)
+                if wrong:
                     raise FillError(f"the fill worker {self.python} answered a {job.kind} with a {msg.kind}",
                                     "see the daemon's log; the worker is stopped")
                 if not isinstance(msg, protocol.Progress) or msg.done > done:

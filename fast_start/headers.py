@@ -164,11 +164,10 @@ def raw_header(path: Path, identities: dict[str, list[int]] | None = None) -> by
                               f"{os.geteuid()})") from None
 
 
-def size_fault(path: Path) -> str | None:
-    """What is wrong with a safetensors file's size against its own header (truncated, or bytes
-    after the last tensor), or None; from the header and a stat alone. A header that cannot be
-    parsed is left to the full validation (`checkpoint.py`)."""
-    raw = raw_header(path)
+def size_fault(path: Path, raw: bytes) -> str | None:
+    """What is wrong with a safetensors file's size against its own header `raw` (as stored:
+    truncated, or bytes after the last tensor), or None; a stat is all it reads. A header that
+    cannot be parsed is left to the full validation (`checkpoint.py`)."""
     try:
         header = json.loads(raw[8:])
         ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]

@@ -1,12 +1,13 @@
 """The keeper: a daemon thread that keeps the cache in line with the checkpoints and the config.
 
-A write the inotify watch reports is acted on by the serving loop itself (`changed`): a model one
-of whose files was written stops being served at once, whatever the keeper is busy with. Off the
-serving loop, one thing at a time, the keeper compares a model's files with its fill's on other
-events in its folder and every `RECHECK_S`, refills a changed model once its files have stayed
-the same for `SETTLE_S` and the checkpoint is usable, and applies a reloaded config (SIGHUP): new models filled, removed or changed ones dropped, the rest
-kept. Fills run in worker children like the start-up's; the new arena is served the moment it is
-complete, and engines that mapped the old one keep it.
+A write the inotify watch reports is acted on by the serving loop itself (`changed`): a model
+one of whose files was written stops being served at once, whatever the keeper is busy with. Off
+the serving loop, one thing at a time, the keeper compares a model's files with its fill's on
+other events in its folder and every `RECHECK_S`, refills a changed model once its files have
+stayed the same for `SETTLE_S` and the checkpoint is usable, and applies a reloaded config
+(SIGHUP): new models filled, removed or changed ones dropped, the rest kept. Fills run in worker
+children like the start-up's; the new arena is served the moment it is complete, and engines
+that mapped the old one keep it.
 """
 from __future__ import annotations
 

@@ -7,15 +7,15 @@ size it names (the tensor table, `table.py`). There is no pickle anywhere: a fra
 become one of these classes. They are plain classes, not dataclasses: engines import this module
 on every start, and generating twenty dataclasses took 10 ms of it.
 
-Trust model: the socket lives in a directory only the daemon's user can write; the daemon
-checks every peer's uid and groups with `SO_PEERCRED`/`SO_PEERGROUPS` before reading a byte,
-and a client checks the directory, the socket and the daemon's credentials before sending one.
-An arena fd is a read capability for that model's weights and is only ever sent to a peer that
-passed this check and could read the checkpoint's files itself (`trust.unreadable`). Inside that boundary peers are still not trusted to be well-formed: any
-frame may be garbage, oversized, truncated or slow, and gets an error reply or a closed
-connection, never a crash or a stall of other connections. The daemon receives frames with no
-room for ancillary data, so file descriptors sent *to* it are discarded by the kernel and
-never occupy one of its descriptors.
+Trust model: the socket lives in a directory only the daemon's user can write; the daemon checks
+every peer's uid and groups with `SO_PEERCRED`/`SO_PEERGROUPS` before reading a byte, and a
+client checks the directory, the socket and the daemon's credentials before sending one. An
+arena fd is a read capability for that model's weights and is only ever sent to a peer that
+passed this check and could read the checkpoint's files itself (`trust.unreadable`). Inside that
+boundary peers are still not trusted to be well-formed: any frame may be garbage, oversized,
+truncated or slow, and gets an error reply or a closed connection, never a crash or a stall of
+other connections. The daemon receives frames with no room for ancillary data, so file
+descriptors sent *to* it are discarded by the kernel and never occupy one of its descriptors.
 """
 from __future__ import annotations
 
