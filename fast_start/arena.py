@@ -173,21 +173,31 @@ def tensors(manifest: Manifest, fds: list[int], mode: str, device: torch.device)
     return from_table(table.encode(manifest), maps)
 
 
-def map_arenas(fds: list[int], arenas: list[tuple[int, str]], mode: str, device: torch.device) -> list[torch.Tensor]:
+def map_arenas(fds: list[int], arenas: list[tuple[int, str]], mode: str, device: torch.device,
+               close: bool = False) -> list[torch.Tensor]:
     """Each arena (size, device) from its fd as a flat uint8 tensor on `device`.
 
     `zero_copy`: read-only maps. `copy`: one device copy of each arena into memory the caller
     owns (one large copy runs at full bandwidth; per-tensor clones would not), each map dropped
-    as soon as its copy is done, before the next arena is mapped.
+    as soon as its copy is done, before the next arena is mapped. With `close`, each fd is
+    closed (and its place in `fds` set to -1) as soon as its arena is mapped or copied: a copy
+    then never holds more than one arena twice, where the daemon has let go of its fds.
     """
     if len(fds) != len(arenas):
         raise ArenaError(f"got {len(fds)} arena fds for {len(arenas)} arenas",
                          "ask the daemon again; the reply was incomplete")
-    if mode != "copy":
-        return [map_readonly(fd, size, where, device) for fd, (size, where) in zip(fds, arenas)]
-    # Each map dies as its copy is made: a GPU map is unmapped once the device is done with the
-    # copy (`Imported.__del__`), so at most one arena is held twice at any time.
-    return [map_readonly(fd, size, where, device).clone() for fd, (size, where) in zip(fds, arenas)]
+    out = []
+    for i, (size, where) in enumerate(arenas):
+        flat = map_readonly(fds[i], size, where, device)
+        if mode == "copy":
+            # The map dies here: a GPU map is unmapped once the device is done with the copy
+            # (`Imported.__del__`), before the next arena is mapped.
+            flat = flat.clone()
+        out.append(flat)
+        if close:
+            os.close(fds[i])
+            fds[i] = -1
+    return out
 
 
 def from_table(data: bytes | bytearray, maps: list[torch.Tensor]) -> dict[str, torch.Tensor]:

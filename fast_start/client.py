@@ -3,7 +3,8 @@
 `fetch` returns the same tensors whether they come from a daemon's arenas or from disk: both run
 `materialize.derive`. In `zero_copy` mode arena tensors are read-only views of shared memory
 (writing through one faults); in `copy` mode each arena is copied once into memory the engine
-owns and the mappings are dropped (the daemon ends a copy's lease as it sends the reply).
+owns, its mapping dropped and its fd closed before the next is mapped (the daemon ends a copy's
+lease as it sends the reply and, with `on_release = "drop"`, has let go of the arenas by then).
 
 A fetch from the cache is one request and one reply per daemon asked (`Acquire` names the
 protocol version and the device; `Acquired` carries the lease, the arena fds and the tensor
@@ -281,10 +282,11 @@ def _use(reply: protocol.Acquired, fds: list[int], want: Fingerprint, mode: str,
         except (KeyError, TypeError, ValueError) as e:
             raise ArenaError(f"the daemon's manifest is malformed ({e!r})",
                              "use a fast-start client of the daemon's version") from None
-        maps = arenas.map_arenas(fds, where, mode, device)
+        maps = arenas.map_arenas(fds, where, mode, device, close=True)
     finally:
         for fd in fds:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
     tensors = arenas.from_table(reply.attachment, maps)
     bad = [a for a, t in aliases.items() if not isinstance(t, str) or t not in tensors or a in tensors]
     if bad:

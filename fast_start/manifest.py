@@ -19,6 +19,8 @@ from .errors import ArenaError
 from .fingerprint import Fingerprint
 
 ALIGN = 256
+CHUNK = 512 << 20   # an arena's most bytes (a larger tensor gets one of its own): what a copy holds twice
+MAX_ARENAS = 128    # of one rank: its fds travel in one message; systemd's fd store holds every model's
 
 
 @dataclass(frozen=True)
@@ -115,20 +117,35 @@ def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return n
 
 
-def pack(outputs: list[tuple[str, str, tuple[int, ...]]], arena_limit: int | None = None
+def place(sizes: list[int], chunk: int | None = None) -> tuple[list[tuple[int, int]], list[int]]:
+    """(arena, offset) of each of `sizes` bytes, one after another, 256-byte aligned, and each
+    arena's size: a new arena starts where the next would pass `chunk` bytes (one larger than
+    `chunk` gets an arena of its own). Where that makes more than MAX_ARENAS arenas, `chunk` is
+    doubled until it does not (an engine receives all of a rank's fds in one message)."""
+    while True:
+        where, arenas, cursor = [], [0], 0
+        for size in sizes:
+            if chunk and cursor and cursor + size > chunk:
+                arenas[-1], cursor = cursor, 0
+                arenas.append(0)
+            where.append((len(arenas) - 1, cursor))
+            cursor += -(-size // ALIGN) * ALIGN
+        arenas[-1] = max(cursor, ALIGN)
+        if len(arenas) <= MAX_ARENAS:
+            return where, arenas
+        chunk *= 2
+
+
+def pack(outputs: list[tuple[str, str, tuple[int, ...]]], chunk: int | None = None
          ) -> tuple[list[TensorEntry], list[int]]:
-    """Place tensors one after another, 256-byte aligned; start a new arena past `arena_limit` bytes.
+    """Place tensors in arenas of at most `chunk` bytes (`place`).
 
     Tensors of one dtype and shape are placed together (in their given order), so that an engine
     builds them as one view (`arena.from_table`).
     """
-    entries, sizes, cursor = [], [0], 0
-    for name, dtype, shape in sorted(outputs, key=lambda o: (o[1], o[2])):
-        size = nbytes(dtype, shape)
-        if arena_limit and cursor and cursor + size > arena_limit:
-            sizes[-1], cursor = cursor, 0
-            sizes.append(0)
-        entries.append(TensorEntry(name, dtype, tuple(shape), len(sizes) - 1, cursor, size))
-        cursor += -(-size // ALIGN) * ALIGN
-    sizes[-1] = max(cursor, ALIGN)
-    return entries, sizes
+    ordered = sorted(outputs, key=lambda o: (o[1], o[2]))
+    sizes = [nbytes(dtype, shape) for _, dtype, shape in ordered]
+    where, arenas = place(sizes, chunk)
+    entries = [TensorEntry(name, dtype, tuple(shape), arena, offset, size)
+               for (name, dtype, shape), (arena, offset), size in zip(ordered, where, sizes)]
+    return entries, arenas

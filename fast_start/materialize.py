@@ -123,12 +123,12 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t if t.untyped_storage().resizable() else t.clone()
 
 
-def materialize(spec: WeightSpec, device: str = "cpu", arena_limit: int | None = None,
+def materialize(spec: WeightSpec, device: str = "cpu", chunk: int | None = None,
                 progress: Callable[[int, int], None] | None = None,
                 ckpt: Checkpoint | None = None) -> tuple[Manifest, list[int]]:
     """Fill arenas with this rank's tensors: returns the manifest and the sealed arena fds."""
     ckpt = ckpt or open_checkpoint(spec.path)
-    entries, sizes = pack(plan(ckpt, spec), arena_limit)
+    entries, sizes = pack(plan(ckpt, spec), chunk)
     by_name = {e.name: e for e in entries}
     writers = [arenas.create(size, device, f"{ckpt.folder.name}-r{spec.rank}-{i}") for i, size in enumerate(sizes)]
     done, total, final = 0, sum(e.nbytes for e in entries), []

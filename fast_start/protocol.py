@@ -224,6 +224,7 @@ class FillJob(Message):                    # daemon -> worker: materialize one m
     spec: dict                    # WeightSpec fields
     device: str                   # "cpu" or "cuda:N"
     bandwidth: int                # bytes/s the fill may read; 0 = unlimited
+    chunk: int = 512 << 20        # an arena's most bytes (a larger tensor gets one of its own)
 
 
 class VerifyJob(Message):                  # daemon or CLI -> worker, with the arena fds: checksum a shard's arenas

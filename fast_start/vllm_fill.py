@@ -36,7 +36,7 @@ from . import arena as arenas
 from . import vllm_attention, vllm_rules, vllm_state
 from .errors import FastStartError
 from .fingerprint import WeightSpec, fingerprint
-from .manifest import ALIGN, ArenaEntry, Manifest, TensorEntry
+from .manifest import ALIGN, CHUNK, ArenaEntry, Manifest, TensorEntry, place
 from .dtypes import name_of
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gatherv", "reduce_scatter", "reduce_scatterv", "gather",
@@ -111,8 +111,8 @@ def _refuse(op: str, spec: WeightSpec):
     return refuse
 
 
-def fill(spec: WeightSpec, device: str, progress: Callable[[int, int], None] | None = None
-         ) -> tuple[Manifest, list[int]]:
+def fill(spec: WeightSpec, device: str, progress: Callable[[int, int], None] | None = None,
+         chunk: int = CHUNK) -> tuple[Manifest, list[int]]:
     """Build, load and (stage "processed") process this rank with vLLM; export into a sealed arena."""
     options = json.loads(spec.engine_options or "{}")
     apply_env(options)
@@ -129,14 +129,15 @@ def fill(spec: WeightSpec, device: str, progress: Callable[[int, int], None] | N
                              f"{want.quantization!r}", "set the model's quantization to what vLLM uses")
     stage = stage_for(device, got)
     try:
-        return _fill(spec, want, config, device, stage, progress)
+        return _fill(spec, want, config, device, stage, progress, chunk)
     finally:      # the worker lives on: give vLLM's copy of the weights back to the device
         gc.collect()
         if target.type == "cuda":
             torch.cuda.empty_cache()
 
 
-def _fill(spec: WeightSpec, want, config, device: str, stage: str, progress) -> tuple[Manifest, list[int]]:
+def _fill(spec: WeightSpec, want, config, device: str, stage: str, progress, chunk: int
+          ) -> tuple[Manifest, list[int]]:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import utils as loader_utils
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -161,23 +162,26 @@ def _fill(spec: WeightSpec, want, config, device: str, stage: str, progress) -> 
             engine.update(removed=sorted(built - {n for n, _ in model.named_parameters()}),
                           buffers=[n for n, _ in model.named_buffers()], signature=vllm_state.signature(model))
             _meta_build(config, engine, {n for n, _ in named} | set(engine["removed"]), attrs)
-            manifest, fds = export(want, named, device, engine, progress)
+            manifest, fds = export(want, named, device, engine, progress, chunk)
         else:
             params, buffers = list(_params(model)), list(model.named_buffers())
             engine["buffers"] = [n for n, _ in buffers]
             _meta_build(config, engine, {n for n, _ in [*params, *buffers]}, attrs)
-            manifest, fds = export(want, [*params, *buffers], device, engine, progress, keep=True)
-            loaded = {name: t.detach() for name, t in _unique(params)}   # processing may re-point a Parameter
-            with set_default_torch_dtype(model_config.dtype):
-                loader_utils.process_weights_after_loading(model, model_config, target)
-            changed = [e.name for e in manifest.tensors
-                       if e.name in loaded and arenas.checksum(loaded[e.name]) != e.checksum]
-            if changed:
-                for fd in fds:
-                    os.close(fd)
-                raise FastStartError(f"vLLM's processing rewrote {len(changed)} loaded tensors in place "
-                                     f"({', '.join(changed[:3])}); an engine could not run it over read-only "
-                                     "cache memory", "use vLLM 0.30 or later, whose pre-processed pass skips it")
+
+            def process(entries: list[TensorEntry]) -> None:
+                """vLLM's processing over the exported tensors (in the arena on a GPU, as an engine
+                runs it): it must not change a byte of them."""
+                loaded = {name: t.detach() for name, t in _unique(params)}   # processing may re-point a Parameter
+                with set_default_torch_dtype(model_config.dtype):
+                    loader_utils.process_weights_after_loading(model, model_config, target)
+                changed = [e.name for e in entries if e.name in loaded and arenas.checksum(loaded[e.name]) != e.checksum]
+                if changed:
+                    raise FastStartError(f"vLLM's processing rewrote {len(changed)} loaded tensors in place "
+                                         f"({', '.join(changed[:3])}); an engine could not run it over read-only "
+                                         "cache memory", "use vLLM 0.30 or later, whose pre-processed pass skips it")
+
+            hold = "repoint" if target.type == "cuda" else "keep"
+            manifest, fds = export(want, [*params, *buffers], device, engine, progress, chunk, hold, then=process)
     return manifest, fds
 
 
@@ -230,46 +234,79 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return (s.data_ptr(), s.nbytes()) if s.nbytes() else ("empty", id(t))
 
 
-def export(want, named, device: str, engine: dict, progress=None, keep: bool = False) -> tuple[Manifest, list[int]]:
-    """Write each distinct storage behind `named` once into one arena; entries keep strides.
+def export(want, named, device: str, engine: dict, progress=None, chunk: int = CHUNK, hold: str = "",
+           then: Callable[[list[TensorEntry]], None] | None = None) -> tuple[Manifest, list[int]]:
+    """Write each distinct storage behind `named` once into arenas of at most `chunk` bytes (a
+    storage larger than that gets an arena of its own); entries keep strides. Names of one tensor
+    object (tied weights) become aliases.
 
-    Names of one tensor object (tied weights) become aliases. Unless `keep`, each storage is
-    freed once written, so the fill's peak stays near the model plus the arena.
+    Chunk by chunk, each storage written is given back: freed, and the device's cache returned
+    to the driver before the next chunk is made, so the fill's peak is the model plus one chunk
+    (`hold = ""`). `hold = "repoint"`: the tensors are pointed at their bytes in the arena
+    instead (the loaded stage on a GPU: vLLM then processes the model in the arena, as an engine
+    would); `hold = "keep"`: the storages are kept (the loaded stage on the CPU). `then` runs
+    before the arenas are sealed; an error there discards them.
     """
     # Storages of one dtype, shape and stride together: an engine builds them as one view.
     unique = sorted(_unique(named), key=lambda nt: (str(nt[1].dtype), tuple(nt[1].shape), nt[1].stride()))
     first = {id(t): name for name, t in unique}
     aliases = {name: first[id(t)] for name, t in named if first[id(t)] != name}
-    bases, cursor, storages = {}, 0, []
+    storages: dict[tuple, torch.UntypedStorage] = {}
     for _, t in unique:
-        s = t.untyped_storage()
-        key = _storage_key(t)
-        if key not in bases:
-            bases[key] = cursor
-            storages.append((cursor, s))
-            cursor += -(-s.nbytes() // ALIGN) * ALIGN
-    entries = []
+        storages.setdefault(_storage_key(t), t.untyped_storage())
+    where, sizes = place([s.nbytes() for s in storages.values()], chunk)
+    bases = dict(zip(storages, where))              # storage -> (arena, offset)
+    chunks: list[list[tuple[int, torch.UntypedStorage]]] = [[] for _ in sizes]
+    for (arena, offset), s in zip(where, storages.values()):
+        chunks[arena].append((offset, s))
+    entries, members = [], [[] for _ in chunks]     # members: each chunk's (tensor, entry)
     for name, t in unique:
-        offset = bases[_storage_key(t)] + t.storage_offset() * t.itemsize
+        arena, base = bases[_storage_key(t)]
+        offset = base + t.storage_offset() * t.itemsize
         stride = () if t.is_contiguous() and offset % ALIGN == 0 else tuple(t.stride())
-        entries.append(TensorEntry(name, name_of(t.dtype), tuple(t.shape), 0, offset, t.numel() * t.itemsize,
-                                   arenas.checksum(t), stride))
-    writer = arenas.create(max(cursor, ALIGN), device, f"vllm-{want.checkpoint[:12]}-r{want.rank}")
+        entry = TensorEntry(name, name_of(t.dtype), tuple(t.shape), arena, offset, t.numel() * t.itemsize,
+                            arenas.checksum(t), stride)
+        entries.append(entry)
+        members[arena].append((t, entry))
+    total, done, writers, made = sum(sizes), 0, [], []
     try:
-        done = 0
-        for base, s in storages:
-            if s.nbytes():
-                writer.write(base, torch.empty(0, dtype=torch.uint8, device=s.device).set_(s))
-                done += s.nbytes()
-                if not keep and s.resizable():
-                    s.resize_(0)
-            if progress:
-                progress(done, cursor)
-        fd = writer.finish()
+        for i, (group, size) in enumerate(zip(chunks, sizes)):
+            writer = arenas.create(size, device, f"vllm-{want.checkpoint[:12]}-r{want.rank}-{i}")
+            writers.append(writer)
+            made.append(ArenaEntry(writer.size, writer.device))
+            for base, s in group:
+                if s.nbytes():
+                    writer.write(base, torch.empty(0, dtype=torch.uint8, device=s.device).set_(s))
+                    done += s.nbytes()
+                if progress:
+                    progress(done, total)
+            if hold == "repoint":
+                for t, e in members[i]:
+                    t.data = _view(writer.view, e, t)
+            if hold != "keep":
+                for _, s in group:
+                    if s.resizable():
+                        s.resize_(0)
+                if torch.device(device).type == "cuda":
+                    torch.cuda.empty_cache()        # back to the driver before the next chunk
+            if not hold:
+                writers[i] = writer.finish()
+        if then is not None:
+            then(entries)
+        fds = [w if isinstance(w, int) else w.finish() for w in writers]
     except BaseException:
-        writer.abort()
+        for w in writers:
+            if isinstance(w, int):
+                os.close(w)
+            else:
+                w.abort()
         raise
-    manifest = Manifest(want, (ArenaEntry(writer.size, writer.device),), tuple(entries), aliases, engine)
+    manifest = Manifest(want, tuple(made), tuple(entries), aliases, engine)
     manifest.validate()
-    return manifest, [fd]
+    return manifest, fds
 
+
+def _view(flat: torch.Tensor, entry: TensorEntry, like: torch.Tensor) -> torch.Tensor:
+    """`like`'s shape and strides over its bytes at `entry`'s offset in an arena's mapping."""
+    return torch.empty(0, dtype=like.dtype, device=flat.device).set_(
+        flat.untyped_storage(), entry.offset // like.itemsize, like.shape, like.stride())

@@ -107,9 +107,9 @@ def fill(sock: socket.socket, job: protocol.FillJob, fds) -> None:
 
     if by_vllm(spec):
         from . import vllm_fill
-        manifest, arena_fds = vllm_fill.fill(spec, job.device, progress)
+        manifest, arena_fds = vllm_fill.fill(spec, job.device, progress, job.chunk)
     else:
-        manifest, arena_fds = materialize.materialize(spec, job.device, progress=progress)
+        manifest, arena_fds = materialize.materialize(spec, job.device, job.chunk, progress)
     try:
         protocol.send(sock, protocol.Filled(job.model, manifest.to_dict(), time.monotonic() - start), arena_fds)
     finally:

@@ -152,7 +152,7 @@ def test_output_is_deterministic_across_runs(llama):
 
 def test_several_arenas_when_a_limit_is_set(llama):
     spec = fast_start.WeightSpec(str(llama))
-    manifest, fds = materialize(spec, arena_limit=1 << 21)
+    manifest, fds = materialize(spec, chunk=1 << 21)
     assert len(manifest.arenas) > 1 and len(fds) == len(manifest.arenas)
     cache = from_arenas(manifest, fds)
     for fd in fds:
