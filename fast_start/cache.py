@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import files, protocol, table, trust, watch
+from . import files, memory, protocol, table, trust, watch
 from .config import ModelConfig
 from .fingerprint import Fingerprint
 from .manifest import Manifest
@@ -124,6 +124,8 @@ class Cache:
                  on_stale: Callable[[str, str], None] = lambda model, why: None,
                  on_fill: Callable[[str], None] = lambda model: None):
         self.gpu, self.device, self.on_release, self.limits = gpu, device, on_release, limits
+        self.keep_free = 0                              # bytes fills leave free for engines (`[daemon] keep_free`)
+        self.notes: dict[str, str] = {}                 # model -> the last copy refused for want of room
         self.on_evict, self.on_process, self.on_stale, self.on_fill = on_evict, on_process, on_stale, on_fill
         self.entries: dict[str, Entry] = {}
         self.leases: dict[int, Lease] = {}
@@ -144,6 +146,7 @@ class Cache:
             self.entries[entry.model.name] = entry
             self.pending.pop(entry.model.name, None)
             self.former.pop(entry.model.name, None)
+            self.notes.pop(entry.model.name, None)
         if old is not None:
             self._retire(old)
 
@@ -180,7 +183,9 @@ class Cache:
     def acquire(self, msg: protocol.Acquire, peer: Peer):
         """A lease and the reply that carries the model's fds: its manifest as the tensor table
         (engines) or as JSON (`fast-start verify`). A copy-mode lease ends once the reply is out:
-        the engine's own copy is made from the fds it received, which keep the memory alive.
+        the engine's own copy is made from the fds it received, which keep the memory alive. With
+        `on_release = "drop"` the model is evicted before the reply goes out; with "keep", a copy
+        the device has no room for beside the cache is refused (`_no_room_for_copy`).
 
         A partial request (`fingerprint.requested`: sent before the engine read its checkpoint) is
         served by the model equal in its other fields whose files are the engine's (their identity
@@ -210,6 +215,9 @@ class Cache:
         if denied:      # knowing the fingerprint and the files' identities is not reading them
             return _no(self._missed(peer, protocol.Miss(f"uid {peer.uid} cannot read {denied}", ["access"],
                                                         best.model.name, "let that user read the checkpoint")))
+        refused = self._no_room_for_copy(best) if msg.mode == "copy" else None
+        if refused:
+            return _no(self._missed(peer, refused))
         with self.lock:
             if best.retired:
                 return _no(protocol.Miss("the model was evicted meanwhile", [], best.model.name))
@@ -226,7 +234,30 @@ class Cache:
         else:
             reply = protocol.Acquired(lease.id, best.model.name, best.head, len(best.table)).attach(best.table)
         keep = msg.mode == "zero_copy"
+        if not keep and self.on_release == "drop":
+            # The copy takes the cache's place: the daemon lets go of the fds (and systemd's
+            # fd store of its copies) before the reply goes out, so that the engine, which
+            # closes each arena's fd once it has copied it, holds no arena twice but one.
+            self.evict(best.model.name, "release")
         return reply, best.fds, lambda sent: self._sent(best, lease, (sent and keep) or lease.id < first_new, sent)
+
+    def _no_room_for_copy(self, entry: Entry) -> protocol.Miss | None:
+        """A copy the device has no room for while the daemon keeps its cache (`on_release = "keep"`):
+        the engine's copy and the cache would both need the model's bytes."""
+        if self.on_release != "keep":
+            return None
+        now = memory.of(self.device)
+        need = entry.nbytes + max((a.size for a in entry.manifest.arenas), default=0)
+        if now is None or now.free >= need:
+            return None
+        where = "host memory" if self.device == "cpu" else f"GPU {self.gpu}"
+        what = (f"no room on {where} for a copy of {entry.model.name} ({memory.gib(entry.nbytes)}) beside the cache "
+                f"(on_release = \"keep\"): {memory.gib(now.free)} free, {memory.gib(need)} needed")
+        with self.lock:
+            self.notes[entry.model.name] = f"{time.strftime('%H:%M:%S')}: copy refused: {what}"
+        log.warning("%s", what)
+        return protocol.Miss(what, ["memory"], entry.model.name, 'set on_release = "drop" in the daemon\'s config '
+                             "(a copy then takes the cache's place), or load with mode zero_copy")
 
     def _miss(self, want: Fingerprint, closest: Entry | None) -> protocol.Miss:
         """No entry holds `want` (under the lock): say why as exactly as the daemon knows."""
@@ -246,7 +277,7 @@ class Cache:
         """Count and log a miss (one line naming the engine and the fingerprint fields that differ)."""
         log.info("miss for pid %d uid %d: %s%s", peer.pid, peer.uid, miss.reason,
                  f"; differing fields: {', '.join(miss.fields)}" if miss.fields else "")
-        reason = "access" if "access" in miss.fields else "files" if "files" in miss.fields else \
+        reason = "memory" if "memory" in miss.fields else "access" if "access" in miss.fields else "files" if "files" in miss.fields else \
             "fingerprint" if miss.fields else "evicted" if miss.reason.startswith("evicted") else "not_cached"
         self.metrics.inc("fast_start_cache_misses_total", model=miss.model or "", reason=reason)
         return miss
@@ -452,6 +483,7 @@ class Cache:
     # -- reports -------------------------------------------------------------------------------
     def status(self, peer: Peer | None = None) -> dict:
         admin = peer is None or peer.admin
+        now = memory.of(self.device)
         with self.lock:
             missing = [self.pending.get(n) or {"name": n, "state": "missing", "detail": "", "since": None}
                        for n in self.configured if n not in self.entries]
@@ -462,10 +494,18 @@ class Cache:
                                 "tensor_parallel_size": e.manifest.fingerprint.tensor_parallel_size,
                                 "bytes": e.nbytes, "tensors": len(e.manifest.tensors),
                                 "fingerprint": e.manifest.fingerprint.digest()[:16],
-                                "fill_seconds": round(e.fill_seconds, 3), "filled_at": e.filled_at}
+                                "fill_seconds": round(e.fill_seconds, 3), "filled_at": e.filled_at,
+                                "arenas": len(e.manifest.arenas), **({"note": self.notes[n]} if n in self.notes else {})}
                                for n, e in self.entries.items()],
+                    "memory": self._memory(now),
                     "missing": missing,
                     "leases": [asdict(l) for l in self.leases.values() if admin or l.uid == peer.uid]}
+
+    def _memory(self, now: memory.Memory | None) -> dict:
+        """The device's total and free memory and what this daemon holds of it (bytes; "total" and
+        "free" absent where they cannot be told), under the lock."""
+        held = sum(e.nbytes for e in self.entries.values())
+        return {"held": held, "keep_free": self.keep_free, **({"total": now.total, "free": now.free} if now else {})}
 
     def fingerprints(self, peer: Peer | None = None) -> dict:
         admin = peer is None or peer.admin
@@ -477,11 +517,14 @@ class Cache:
 
     def metric_samples(self, peer: Peer | None = None) -> dict:
         """The counters, and the gauges read off the cache now."""
+        now = memory.of(self.device)
         with self.lock:
             gauges = [self.metrics.sample("fast_start_cached_bytes", e.nbytes, model=name)
                       for name, e in self.entries.items()]
             gauges += [self.metrics.sample("fast_start_leases", sum(1 for l in self.leases.values() if l.model == name),
                                            model=name) for name in self.entries]
+            gauges += [self.metrics.sample("fast_start_device_memory_bytes", value, kind=kind)
+                       for kind, value in self._memory(now).items() if kind != "keep_free"]
         return {"gpu": self.gpu, "samples": self.metrics.samples() + gauges}
 
     def eviction_list(self, peer: Peer | None = None) -> dict:

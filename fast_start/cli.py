@@ -225,6 +225,16 @@ def _status_table(states: list[dict]) -> None:
             table.add_row(str(s["gpu"]), m["state"], f"{m['name']}: {m['detail']}" if m["detail"] else m["name"],
                           "", "", "", "", "")
     out.print(table)
+    for s in states:
+        mem = s.get("memory") or {}
+        if "held" in mem:
+            known = f"{mem['total'] / 2**30:.2f} GiB total, " if "total" in mem else ""
+            free = f", {mem['free'] / 2**30:.2f} GiB free" if "free" in mem else " (free memory unknown: no NVML)"
+            out.print(f"GPU {s['gpu']} memory: {known}{mem['held'] / 2**30:.2f} GiB held by the cache{free}, "
+                      f"keep_free {mem['keep_free'] / 2**30:.2f} GiB", markup=False, highlight=False)
+        for m in s.get("models") or []:
+            if m.get("note"):
+                out.print(f"GPU {s['gpu']} {m['name']}: {m['note']}", markup=False, highlight=False)
 
 
 @app.command()
@@ -388,17 +398,21 @@ def example_config():
     sys.stdout.write((files("fast_start") / "example" / "fast-start.toml").read_text())
 
 
+VLLM_UTILIZATION = 0.9      # vLLM's default gpu_memory_utilization
+
+
 @app.command("check-config")
 @fails
 def check_config(config: Path = CONFIG, as_json: bool = JSON):
     """Check a config as `nginx -t` does: the file, each model's folder, the memory each GPU's
     models need against its budget, and each worker interpreter. Exit 0 when all pass, 2 if not."""
     import subprocess
-    from .daemon import device_memory
+    from .memory import device_total, fill_need, gib, keep_free
     from .worker import estimate
     cfg = configs.load(config)
     checks = [{"check": "config", "ok": True, "detail": f"{config}: {len(cfg.models)} model(s)"}]
     need: dict[int, int] = {}
+    largest: dict[int, int] = {}
     for m in cfg.models:
         try:
             if m.layout == "hf":
@@ -406,18 +420,32 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON):
             for gpu in m.gpus:
                 spec = m.spec(gpu)
                 fingerprint(spec)           # config.json and every header, read as this user
-                need[gpu] = need.get(gpu, 0) + estimate(spec)
+                nbytes = estimate(spec)
+                need[gpu] = need.get(gpu, 0) + nbytes
+                largest[gpu] = max(largest.get(gpu, 0), nbytes)
             checks.append({"check": f"model {m.name}", "ok": True, "detail": f"{m.path} readable by uid {os.geteuid()}"})
         except FastStartError as e:
             checks.append({"check": f"model {m.name}", "ok": False, "detail": str(e)})
     for gpu, nbytes in sorted(need.items()):
         try:
-            total = device_memory(cfg.daemon.device, gpu)
+            total = device_total(cfg.daemon.device, gpu)
             budget = configs.parse_bytes(cfg.daemon.memory_budget, total)
             checks.append({"check": f"memory GPU {gpu}", "ok": nbytes <= budget,
                            "detail": f"models need about {configs.format_bytes(nbytes)} of a "
                                      f"{configs.format_bytes(budget)} budget (memory_budget = "
                                      f"{cfg.daemon.memory_budget!r} of {configs.format_bytes(total)})"})
+            room = total - keep_free(cfg.daemon, gpu) - (nbytes - largest[gpu])
+            if fill_need(largest[gpu], cfg.daemon.device) > room:
+                checks.append({"check": f"fill GPU {gpu}", "ok": False, "detail": f"the largest model's fill needs "
+                               f"about {gib(fill_need(largest[gpu], cfg.daemon.device))} at its peak; beside the "
+                               f"others and keep_free {gib(room)} is left: serve fewer models on this GPU"})
+            beside = nbytes - largest[gpu]
+            if cfg.daemon.device != "cpu" and beside > total * (1 - VLLM_UTILIZATION):
+                checks.append({"check": f"engine room GPU {gpu}", "ok": True, "warn": True, "detail": (
+                    f"an engine at vLLM's default gpu_memory_utilization {VLLM_UTILIZATION} serving the largest model "
+                    f"(its mapped weights count in its share) has {gib(beside)} of other cached models beside it, "
+                    f"more than the {gib(int(total * (1 - VLLM_UTILIZATION)))} it leaves: start it with "
+                    f"gpu_memory_utilization {max(0.0, (total - beside) / total - 0.01):.2f} or cache fewer models")})
         except FastStartError as e:
             checks.append({"check": f"memory GPU {gpu}", "ok": False, "detail": str(e)})
     for python in sorted({cfg.python(m) for m in cfg.models}):
@@ -434,7 +462,7 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON):
     def human(rows):
         table = Table("check", "", "detail")
         for r in rows:
-            table.add_row(r["check"], "ok" if r["ok"] else "FAIL", r["detail"])
+            table.add_row(r["check"], "warn" if r.get("warn") else "ok" if r["ok"] else "FAIL", r["detail"])
         out.print(table)
     emit(checks, as_json, human)
     if not all(c["ok"] for c in checks):

@@ -26,6 +26,7 @@ DEFAULT_PATH = Path("/etc/fast-start/fast-start.toml")
 AUTO = "auto"                     # engine_version: what the worker's environment has installed
 ON_RELEASE = ("keep", "drop")     # "host" (demote to host RAM) is planned, not built
 DEVICES = ("cuda", "cpu")
+MIN_CHUNK, MAX_CHUNK = 64 << 10, 2 << 30
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class DaemonConfig:
     allowed_groups: tuple[str, ...] = ()    # members may connect as engines
     admin_groups: tuple[str, ...] = ()      # members may also evict (as root and the daemon's user may)
     fill_bandwidth: str = "0"               # bytes/s the fill may read; "0" = unlimited
+    arena_chunk: str = "512MiB"             # an arena's most bytes: what a copy-mode engine holds twice
+    keep_free: str = "1GiB"                 # device memory a fill leaves free for engines
     refill_on_change: bool = True           # refill a model whose checkpoint changed under it
     metrics_file: str = ""                  # a Prometheus textfile per GPU ("{gpu}" in the path); "" = none
 
@@ -216,11 +219,16 @@ def _check_daemon(d: DaemonConfig, path: str) -> None:
                     f"create it (groupadd {name}) or remove it from {key}")
     if any(u < 0 for u in d.allowed_uids):
         bad("allowed_uids", f"is {list(d.allowed_uids)}", "list user ids (0 or more)")
-    for key, total in (("memory_budget", 1), ("fill_bandwidth", None)):
+    for key, total in (("memory_budget", 1), ("fill_bandwidth", None), ("arena_chunk", None), ("keep_free", 1)):
         try:
             parse_bytes(getattr(d, key), total)
         except ValueError:
             bad(key, f"is {getattr(d, key)!r}", 'write bytes ("120GiB", "500MB")' + (' or a share ("95%")' if total else ""))
+    for key in ("memory_budget", "keep_free"):
+        if getattr(d, key).strip().endswith("%") and parse_bytes(getattr(d, key), 100) > 100:
+            bad(key, f"is {getattr(d, key)!r}, more than the whole device", "write a share up to 100%")
+    if not MIN_CHUNK <= parse_bytes(d.arena_chunk) <= MAX_CHUNK:
+        bad("arena_chunk", f"is {d.arena_chunk!r}", "write a size from 64KiB to 2GiB (default 512MiB)")
 
 
 def _check_vllm(m: ModelConfig, bad) -> None:

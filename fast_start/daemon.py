@@ -39,10 +39,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from . import __version__, fdstore, files, metrics, notify, protocol, trust, watch
+from . import __version__, fdstore, files, memory, metrics, notify, protocol, trust, watch
 from . import config as configs
 from .cache import Cache, Entry, Limits
-from .errors import ConfigError, FastStartError
+from .errors import ConfigError, FastStartError, NoRoom
 from .fill import FillError, Workers, worker_env
 from .fingerprint import LAYOUT_VERSION, fingerprint
 from .keeper import Keeper
@@ -61,13 +61,6 @@ def device_id(device: str, gpu: int) -> str:
         return "cpu"
     from .gpus import device_uuid
     return device_uuid(gpu)
-
-
-def device_memory(device: str, gpu: int) -> int:
-    if device == "cpu":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    from .gpus import total_memory
-    return total_memory(gpu)
 
 
 def config_fields(model: configs.ModelConfig, gpu: int) -> dict:
@@ -111,6 +104,8 @@ class Daemon:
                            on_process=self.watch_process, on_stale=lambda name, why: self.keeper.stale(name, why),
                            on_fill=lambda name: self.keeper.put("fill", name))
         self.cache.configured = tuple(m.name for m in self.models)
+        self.cache.keep_free = memory.keep_free(cfg.daemon, gpu)
+        self.sizes: dict[str, int] = {}     # model -> its bytes, as the worker estimated them (check_models)
         if os.environ.get("STATE_DIRECTORY"):           # systemd's StateDirectory=: evictions survive restarts
             self.cache.keep_history(Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / f"gpu{gpu}.evictions.json")
         self.server = Server(self.cache, Policy.of(cfg.daemon), max_connections)
@@ -175,7 +170,8 @@ class Daemon:
         for m in models:
             for msg, _ in workers.get(self.cfg.python(m)).run(protocol.CheckJob(m.name, m.spec(self.gpu)._asdict())):
                 need += msg.bytes
-        total = device_memory(self.cfg.daemon.device, self.gpu)
+                self.sizes[m.name] = msg.bytes
+        total = memory.device_total(self.cfg.daemon.device, self.gpu)
         budget = configs.parse_bytes(self.cfg.daemon.memory_budget, total)
         if need > budget:
             raise FastStartError(f"GPU {self.gpu}'s models need {configs.format_bytes(need)}, more than memory_budget "
@@ -193,9 +189,11 @@ class Daemon:
         """Fill `models`; each one is served as soon as its arena is complete."""
         bandwidth = configs.parse_bytes(self.cfg.daemon.fill_bandwidth)
         for m in models:
+            self.room_for(m)
             identity = watch.identity(m.path)       # before a byte of its data is read
             writes = self.watch.writes(m.name)
-            job = protocol.FillJob(m.name, m.spec(self.gpu)._asdict(), self.device(), bandwidth)
+            job = protocol.FillJob(m.name, m.spec(self.gpu)._asdict(), self.device(), bandwidth,
+                                   configs.parse_bytes(self.cfg.daemon.arena_chunk))
             for msg, fds in workers.get(self.cfg.python(m)).run(job):
                 if isinstance(msg, protocol.Progress):
                     self.report_progress(msg, starting)
@@ -211,6 +209,22 @@ class Daemon:
                 self.cache.metrics.inc("fast_start_fills_total", model=m.name)
                 self.cache.metrics.inc("fast_start_filled_bytes_total", entry.nbytes, model=m.name)
                 self.cache.metrics.set("fast_start_fill_seconds", msg.seconds, model=m.name)
+
+    def room_for(self, m: configs.ModelConfig) -> None:
+        """NoRoom naming the shortfall where the device's free memory, less `keep_free`, cannot hold
+        `m`'s fill at its peak (`memory.fill_need`): a fill never takes memory an engine needs."""
+        nbytes, now = self.sizes.get(m.name), memory.of(self.cache.device)
+        if nbytes is None or now is None:
+            return
+        need, room = memory.fill_need(nbytes, self.cfg.daemon.device), now.free - self.cache.keep_free
+        self.cache.metrics.set("fast_start_fill_shortfall_bytes", max(0, need - room), model=m.name)
+        if need > room:
+            where = "host memory" if self.cfg.daemon.device == "cpu" else f"GPU {self.gpu}"
+            raise NoRoom(f"{m.name} needs {memory.gib(need)} of {where} to fill ({memory.gib(nbytes)} of weights); "
+                         f"{memory.gib(now.free)} is free and keep_free leaves {memory.gib(self.cache.keep_free)} of it "
+                         f"to engines: {memory.gib(need - room)} short",
+                         "free that much (stop an engine or evict a model), or lower keep_free; the daemon tries "
+                         "again meanwhile", need - room)
 
     def report_progress(self, p: protocol.Progress, starting: bool) -> None:
         text = f"filling {p.model} rank {p.rank}: {p.done / 2**30:.2f} / {p.total / 2**30:.2f} GiB"

@@ -58,3 +58,11 @@ class NoDaemon(FastStartError):
 
 class Refused(NoDaemon):
     """A daemon runs but does not let this user in (or not for this request)."""
+
+
+class NoRoom(FastStartError):
+    """The device has too little free memory for a fill; `short` is by how many bytes."""
+
+    def __init__(self, what: str, fix: str, short: int):
+        super().__init__(what, fix)
+        self.short = short

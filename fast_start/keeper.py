@@ -18,8 +18,8 @@ import time
 from typing import TYPE_CHECKING
 
 from . import config as configs
-from . import notify, watch
-from .errors import FastStartError
+from . import memory, notify, watch
+from .errors import FastStartError, NoRoom
 from .fingerprint import fingerprint
 from .serve import Policy
 
@@ -30,6 +30,7 @@ log = logging.getLogger("fast_start.daemon")
 SETTLE_S = 2.0       # a changed checkpoint is refilled once its files stay the same this long
 RETRY_S = 10.0       # how often an unusable changed checkpoint is looked at again
 RECHECK_S = 30.0     # every cached model's files are compared with the fill's this often
+ROOM_S = 30.0        # how often a fill waiting for device memory looks again
 
 
 class Keeper:
@@ -38,6 +39,7 @@ class Keeper:
         self.jobs: queue.Queue = queue.Queue()
         self.retry: dict[str, float] = {}           # model -> when to try filling it
         self.seen: dict[str, watch.Identity] = {}   # files last seen of a model waiting to settle
+        self.short: set[str] = set()                # models whose fill waits for device memory (logged once)
         self.thread = threading.Thread(target=self.run, name="keeper", daemon=True)
 
     def start(self) -> None:
@@ -137,10 +139,21 @@ class Keeper:
             self.d.cache.set_pending(name, "filling")
             try:
                 self.d.fill([model], workers)
+            except NoRoom as e:         # waits: the old cache (if still valid) serves meanwhile
+                if name not in self.short:
+                    self.short.add(name)
+                    log.warning("%s waits for room: %s (fix: %s)", name, e.what, e.fix)
+                self.d.cache.set_pending(name, "no_room", e.what)
+                self.retry[name] = time.monotonic() + ROOM_S
+                return
             except FastStartError as e:
+                self.short.discard(name)
                 log.error("refilling %s failed: %s", name, e)
                 self.d.cache.set_pending(name, "failed", str(e))
                 return
+        if name in self.short:
+            self.short.discard(name)
+            log.info("%s had room and is filled", name)
         self.d.watch.add(name, model.path)
         self.check(name)            # changed while it filled: stale again at once
 
@@ -173,6 +186,7 @@ class Keeper:
         d.cfg = cfg
         d.server.policy = Policy.of(cfg.daemon)
         d.cache.on_release = cfg.daemon.on_release
+        d.cache.keep_free = memory.keep_free(cfg.daemon, d.gpu)
         with d.cache.lock:
             d.cache.configured = tuple(new)
             for name in [n for n in d.cache.pending if n not in new]:
@@ -184,6 +198,6 @@ class Keeper:
         for name, m in new.items():
             d.watch.add(name, m.path)
             if name not in d.cache.entries:
-                self.retry.setdefault(name, time.monotonic())
+                self.retry[name] = time.monotonic()
         log.info("reloaded %s: %d model(s) for GPU %d", cfg.path, len(new), d.gpu)
         notify.notify(f"READY=1\nSTATUS=ready: reloaded, {len(new)} model(s) configured")

@@ -23,6 +23,10 @@ FAMILIES = {
     "fast_start_refused_peers_total": ("counter", "Connections refused (credentials or limits).", ("gpu",)),
     "fast_start_cached_bytes": ("gauge", "Bytes of the model held in the cache.", ("gpu", "model")),
     "fast_start_leases": ("gauge", "Leases engines hold on the model.", ("gpu", "model")),
+    "fast_start_device_memory_bytes": ("gauge", "The device's memory: total, free (every process counted) and held "
+                                       "by the daemon's cache.", ("gpu", "kind")),
+    "fast_start_fill_shortfall_bytes": ("gauge", "Free device memory a waiting fill lacks (0 once it fits).",
+                                        ("gpu", "model")),
 }
 
 

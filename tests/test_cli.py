@@ -248,8 +248,9 @@ def test_metrics_count_a_scripted_sequence_and_parse_as_prometheus_text(tmp_path
     assert fast_start.fetch(spec._replace(engine_version="other"), socket_dir=run).source == "disk"
     assert cli("evict", "--gpu", 0, "--model", "small", "--config", cfg).exit_code == 0
 
-    def values(text):
-        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "gpu"))): s.value
+    def values(text):       # free memory changes between two reads: it is only checked to be there
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "gpu"))):
+                s.value if s.labels.get("kind") != "free" else s.value > 0
                 for f in text_string_to_metric_families(text) for s in f.samples}
     r = cli("metrics", "--config", cfg)
     assert r.exit_code == 0
@@ -261,6 +262,8 @@ def test_metrics_count_a_scripted_sequence_and_parse_as_prometheus_text(tmp_path
     assert got[("fast_start_evictions_total", (("model", "small"), ("reason", "manual")))] == 1
     assert got[("fast_start_filled_bytes_total", (("model", "small"),))] > 0
     assert ("fast_start_cached_bytes", (("model", "small"),)) not in got       # evicted: no longer held
+    assert got[("fast_start_device_memory_bytes", (("kind", "held"),))] == 0
+    assert got[("fast_start_device_memory_bytes", (("kind", "free"),))] is True
     assert json.loads(cli("metrics", "--config", cfg, "--json").stdout)
     prom = tmp_path / "fast-start-gpu0.prom"                  # rewritten every 15 s
     wait_until(lambda: prom.exists() and "evictions_total{" in prom.read_text(), 40)

@@ -139,7 +139,7 @@ def cache(work, checkpoints, fp8_checkpoints, reference):
     for node in (0, 1):
         entries = [vllm_model(name, path, [node], tensor_parallel_size=tp, rank_offset=node, **more)
                    for name, path, tp, more in models if node < tp * more.get("pipeline_parallel_size", 1)]
-        config = write_config(work / f"node{node}.toml", run, entries)
+        config = write_config(work / f"node{node}.toml", run, entries, arena_chunk="256KiB")    # many arenas
         daemons.append(Daemon(work, config, node, env=PLUGINS).wait_ready())
     yield run
     for d in daemons:
@@ -179,7 +179,7 @@ def test_copy_mode_loads_from_the_cache_and_the_daemon_receives_the_release(work
     run = tmp_path / "run"
     d = daemons(write_config(tmp_path / "fs.toml", run, [
         {"name": "llama", "path": str(checkpoints["llama"]), "gpus": [0], "layout": "vllm",
-         "engine_version": vllm.__version__}], on_release="drop"))
+         "engine_version": vllm.__version__}], on_release="drop", arena_chunk="256KiB"))
     got, _ = run_engine(tmp_path / "copy.log", checkpoints["llama"], 1, "fast_start",
                         {"mode": "copy", "socket_dir": str(run), "fallback": False})
     assert_same_weights(got, reference["llama", 1])

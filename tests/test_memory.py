@@ -1,0 +1,132 @@
+"""Big models on the CPU device: arenas in chunks, a copy that takes the cache's place chunk by
+chunk, fills that wait for room naming the shortfall, and the memory `status` reports."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from probe import ask, evictions, status, wait_until
+
+import fast_start
+from fast_start import protocol
+from fast_start.cli import app
+from fast_start.config import load
+from fast_start.errors import ConfigError
+from fast_start.materialize import load_from_disk
+from devtools.harness import write_config
+
+runner = CliRunner()
+CHUNK = 256 << 10
+
+
+def model(name, path, **kw):
+    return {"name": name, "path": str(path), "gpus": [0], "engine_version": "test", **kw}
+
+
+def memfds(pid: int) -> list[str]:
+    """The fast-start arenas (memfds) process `pid` holds open."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if target.startswith("/memfd:fast-start"):
+            out.append(target)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["zero_copy", "copy"])
+def test_a_model_in_chunks_is_served_bit_identical_to_the_disk_in_both_modes(tmp_path, small, daemons, mode):
+    run = tmp_path / "run"
+    d = daemons(write_config(tmp_path / "fs.toml", run, [model("small", small)], arena_chunk="256KiB"))
+    (m,) = status(d)["models"]
+    assert m["arenas"] >= 4
+    spec = fast_start.WeightSpec(str(small), engine_version="test")
+    w = fast_start.fetch(spec, mode=mode, socket_dir=str(run), fallback=False)
+    disk, _, _ = load_from_disk(spec)
+    assert w.source == "cache" and set(w) == set(disk)
+    assert all(torch.equal(w[n], disk[n]) for n in disk)
+    # Each arena fd was closed once mapped or copied. This process also holds the fd store's
+    # copies, and on the CPU a zero_copy map holds its own (Python's mmap keeps a duplicate).
+    maps = m["arenas"] if mode == "zero_copy" else 0
+    assert len(memfds(os.getpid())) == len(d.listener.store) + maps
+
+
+def test_a_copy_with_on_release_drop_takes_the_caches_place_chunk_by_chunk(tmp_path, small, daemons):
+    """The daemon lets go of the arenas (and the fd store of its copies) before its reply goes
+    out, and the engine closes each arena's fd once it is copied: when the copy is made, no
+    process but the engine holds an arena, so no more than one is ever held twice."""
+    run = tmp_path / "run"
+    d = daemons(write_config(tmp_path / "fs.toml", run, [model("small", small)], arena_chunk="256KiB",
+                             on_release="drop"))
+    assert len(memfds(d.proc.pid)) == status(d)["models"][0]["arenas"] >= 4
+    assert len(d.listener.store) >= 4           # systemd's fd store holds its copies
+    spec = fast_start.WeightSpec(str(small), engine_version="test")
+    w = fast_start.fetch(spec, mode="copy", socket_dir=str(run), fallback=False)
+    assert w.source == "cache"
+    wait_until(lambda: memfds(d.proc.pid) == [], what="the daemon closing the copied arenas")
+    wait_until(lambda: not d.listener.store, what="the fd store emptied")
+    assert memfds(os.getpid()) == []
+    assert evictions(d) == [("small", "release")]
+    disk, _, _ = load_from_disk(spec)
+    assert all(torch.equal(w[n], disk[n]) for n in disk)
+
+
+def test_a_reload_adding_a_model_with_no_room_waits_naming_the_shortfall(tmp_path, small, llama_tied, daemons):
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "fs.toml", run, [model("small", small)])
+    d = daemons(cfg)
+    before = status(d)["models"][0]["filled_at"]
+    write_config(tmp_path / "fs.toml", run, [model("small", small), model("big", llama_tied)], keep_free="100%")
+    d.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: [m["state"] for m in status(d)["missing"]] == ["no_room"], what="the shortfall")
+    (waiting,) = status(d)["missing"]
+    assert re.fullmatch(r"big needs \d+\.\d\d GiB of host memory to fill \(\d+\.\d\d GiB of weights\); \d+\.\d\d GiB "
+                        r"is free and keep_free leaves \d+\.\d\d GiB of it to engines: \d+\.\d\d GiB short",
+                        waiting["detail"]), waiting["detail"]
+    assert [m["name"] for m in status(d)["models"]] == ["small"] and status(d)["models"][0]["filled_at"] == before
+    assert evictions(d) == []
+    spec = fast_start.WeightSpec(str(small), engine_version="test")
+    assert fast_start.fetch(spec, socket_dir=str(run), fallback=False).source == "cache"
+    shortfall = [s for s in ask(d, protocol.Metrics())["samples"] if s[0] == "fast_start_fill_shortfall_bytes"]
+    assert {s[1]["model"]: s[2] > 0 for s in shortfall} == {"small": False, "big": True}
+    assert d.log.read_text().count("big waits for room") == 1
+    r = runner.invoke(app, ["status", "--config", str(cfg)], env={"COLUMNS": "200"})
+    assert r.exit_code == 1 and "no_room" in r.stdout
+    assert re.search(r"GPU 0 memory: \d+\.\d\d GiB total, 0\.00 GiB held by the cache, \d+\.\d\d GiB free, "
+                     r"keep_free \d+\.\d\d GiB", r.stdout), r.stdout
+    write_config(tmp_path / "fs.toml", run, [model("small", small), model("big", llama_tied)])
+    d.proc.send_signal(signal.SIGHUP)           # room again: filled at once
+    wait_until(lambda: sorted(m["name"] for m in status(d)["models"]) == ["big", "small"], what="the fill")
+    assert status(d)["memory"]["held"] == sum(m["bytes"] for m in status(d)["models"]) > 0
+
+
+@pytest.mark.parametrize("key,value,fix", [
+    ("arena_chunk", '"4KiB"', "from 64KiB to 2GiB"),
+    ("arena_chunk", '"3GiB"', "from 64KiB to 2GiB"),
+    ("keep_free", '"120%"', "a share up to 100%"),
+    ("memory_budget", '"120%"', "a share up to 100%"),
+    ("keep_free", '"lots"', 'write bytes'),
+])
+def test_memory_keys_out_of_range_name_the_key_and_the_fix(tmp_path, key, value, fix):
+    path = tmp_path / "fs.toml"
+    path.write_text(f'[daemon]\ndevice = "cpu"\n{key} = {value}\n')
+    with pytest.raises(ConfigError, match=rf"\[daemon\] key '{key}' is .*fix: .*{re.escape(fix)}"):
+        load(path, check_paths=False)
+
+
+def test_status_json_reports_the_devices_memory(tmp_path, small, daemons):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)], keep_free="1MiB")
+    d = daemons(cfg)
+    r = runner.invoke(app, ["status", "--config", str(cfg), "--json"])
+    assert r.exit_code == 0
+    mem = json.loads(r.stdout)[0]["memory"]
+    assert mem["keep_free"] == 1 << 20 and mem["held"] == status(d)["models"][0]["bytes"]
+    assert mem["total"] >= mem["free"] > 0
