@@ -37,6 +37,7 @@ maps the engine's own memory at the same addresses (`detach.py`), then reloads a
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import itertools
@@ -74,8 +75,70 @@ def register() -> None:
     global _registered
     if not _registered:
         register_model_loader(LOAD_FORMAT)(FastStartLoader)
-        _wrap_runners(count=not hasattr(BaseModelLoader, "get_external_weight_memory"))
+        before_32 = not hasattr(BaseModelLoader, "get_external_weight_memory")
+        _wrap_runners(count=before_32)
+        if before_32:
+            _wrap_startup_check()
         _registered = True
+
+
+_excluded: dict = {}        # what the start-up check left out: {"bytes", "free", "requested"}
+
+
+def _wrap_startup_check() -> None:
+    """vLLM before 0.32 checks at start-up, before any loader runs, that the GPU's free memory
+    holds `gpu_memory_utilization` of it (`request_memory`), counting the daemon's arenas as
+    used: at the default 0.9 an engine beside a cache of more than a tenth of the GPU would not
+    start. Here, as vLLM 0.32 does with `get_external_weight_memory`, the bytes the daemon holds
+    for exactly this rank's fingerprint (a zero_copy engine maps them: they are its weights) are
+    counted as free for that check. The KV cache is sized later as the default loader's on an
+    empty GPU: the mapped bytes count as the model's memory (`_wrap_runners`). Should the load
+    then miss and fall back to disk, the check is made again without them (`_loading`)."""
+    try:
+        from vllm.v1.worker import gpu_worker
+    except ImportError:
+        return
+    check, init_device = getattr(gpu_worker, "request_memory", None), gpu_worker.Worker.init_device
+    if check is None:
+        return
+    starting: list = []
+
+    def init(self, *args, **kwargs):
+        starting.append(self)
+        try:
+            return init_device(self, *args, **kwargs)
+        finally:
+            starting.remove(self)
+
+    def request(snapshot, cache_config, *args, **kwargs):
+        held = _held(starting[-1].vllm_config) if starting else 0
+        if not held:
+            return check(snapshot, cache_config, *args, **kwargs)
+        counted = copy.copy(snapshot)
+        counted.free_memory = snapshot.free_memory + held
+        requested = check(counted, cache_config, *args, **kwargs)
+        _excluded.update(bytes=held, free=snapshot.free_memory, requested=requested)
+        log.info("fast-start: the %.2f GiB this rank maps from the daemon count as free in vLLM's start-up memory "
+                 "check", held / 2**30)
+        return requested
+
+    gpu_worker.Worker.init_device = init
+    gpu_worker.request_memory = request
+
+
+def _held(vllm_config) -> int:
+    """Bytes the daemon holds for exactly this zero_copy rank; 0 for any other load."""
+    load = vllm_config.load_config
+    if load.load_format != LOAD_FORMAT:
+        return 0
+    try:
+        options = Options.parse(load.model_loader_extra_config)
+        if options.mode != "zero_copy":
+            return 0
+        spec = weight_spec(vllm_config.model_config, vllm_config)
+        return cached_bytes(spec, _device(vllm_config), options.socket_dir, options.connect_timeout_s)
+    except (FastStartError, ValueError):
+        return 0
 
 
 def _wrap_runners(count: bool) -> None:
@@ -102,6 +165,13 @@ def _loading(load_model, count: bool):
         if ours:
             gc.freeze()     # see FastStartLoader._load_model
         result = load_model(self, *args, **kwargs)
+        if _excluded and getattr(self.get_model(), "fast_start_source", "disk") != "cache" \
+                and _excluded["free"] < _excluded["requested"]:
+            raise ValueError(f"fast-start: vLLM's start-up memory check counted the {_excluded['bytes'] / 2**30:.2f} "
+                             "GiB the daemon holds for this rank as free, but the load missed and read the disk "
+                             f"(see the line above): {_excluded['free'] / 2**30:.2f} GiB was free, "
+                             f"{_excluded['requested'] / 2**30:.2f} GiB requested; fix the miss, or lower "
+                             "gpu_memory_utilization")
         mapped = getattr(self.get_model(), "fast_start_mapped_bytes", 0) if ours and count else 0
         if mapped:
             self.model_memory_usage += mapped
