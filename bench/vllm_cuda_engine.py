@@ -9,6 +9,8 @@ the attention backend modules the engine imported. `"sleep": 1` or `2` runs the 
 `enable_sleep_mode`, then sleeps and wakes it at that level (level 2 reloads the weights with
 `reload_weights` between waking them and the KV cache), `"reload": true` runs `reload_weights`:
 the tokens and the digest are then taken again (`after`). `"gpu_memory_utilization"` (default 0.3).
+`"wait_for": FILE` keeps the engine generating (`meanwhile`) until FILE exists, then once more
+(`again`); OUT.up is written once it serves.
 """
 from __future__ import annotations
 
@@ -94,6 +96,15 @@ def main() -> None:
     margins = [[round(_margin(step), 5) for step in o.outputs[0].logprobs or []] for o in outputs]
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "margins": margins, "llm_s": round(llm_s, 3),
               **llm.apply_model(report)[0]}
+    if args.get("wait_for"):       # keep serving: generate again once told to (e.g. after a daemon's reload)
+        with open(args["out"] + ".up", "w") as f:
+            json.dump(result, f)
+        while not os.path.exists(args["wait_for"]):
+            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+            result.setdefault("meanwhile", []).append([list(o.outputs[0].token_ids) for o in outputs])
+            time.sleep(0.5)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        result["again"] = [list(o.outputs[0].token_ids) for o in outputs]
     if level or args.get("reload"):
         if level:
             llm.sleep(level=level)
