@@ -243,16 +243,17 @@ class Cache:
 
     def _no_room_for_copy(self, entry: Entry) -> protocol.Miss | None:
         """A copy the device has no room for while the daemon keeps its cache (`on_release = "keep"`):
-        the engine's copy and the cache would both need the model's bytes."""
+        the engine's copy and the cache would both need the model's bytes, and the cache kept
+        beside a copy leaves `keep_free` to the other engines as a fill does."""
         if self.on_release != "keep":
             return None
         now = memory.of(self.device)
-        need = entry.nbytes + max((a.size for a in entry.manifest.arenas), default=0)
+        need = entry.nbytes + max((a.size for a in entry.manifest.arenas), default=0) + self.keep_free
         if now is None or now.free >= need:
             return None
         where = "host memory" if self.device == "cpu" else f"GPU {self.gpu}"
         what = (f"no room on {where} for a copy of {entry.model.name} ({memory.gib(entry.nbytes)}) beside the cache "
-                f"(on_release = \"keep\"): {memory.gib(now.free)} free, {memory.gib(need)} needed")
+                f"(on_release = \"keep\"): {memory.gib(now.free)} free, {memory.gib(need)} needed with keep_free")
         with self.lock:
             self.notes[entry.model.name] = f"{time.strftime('%H:%M:%S')}: copy refused: {what}"
         log.warning("%s", what)

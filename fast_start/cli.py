@@ -228,10 +228,11 @@ def _status_table(states: list[dict]) -> None:
     for s in states:
         mem = s.get("memory") or {}
         if "held" in mem:
-            known = f"{mem['total'] / 2**30:.2f} GiB total, " if "total" in mem else ""
-            free = f", {mem['free'] / 2**30:.2f} GiB free" if "free" in mem else " (free memory unknown: no NVML)"
-            out.print(f"GPU {s['gpu']} memory: {known}{mem['held'] / 2**30:.2f} GiB held by the cache{free}, "
-                      f"keep_free {mem['keep_free'] / 2**30:.2f} GiB", markup=False, highlight=False)
+            size = configs.format_bytes
+            known = f"{size(mem['total'])} total, " if "total" in mem else ""
+            free = f", {size(mem['free'])} free" if "free" in mem else " (free memory unknown: no NVML)"
+            out.print(f"GPU {s['gpu']} memory: {known}{size(mem['held'])} held by the cache{free}, "
+                      f"keep_free {size(mem['keep_free'])}", markup=False, highlight=False)
         for m in s.get("models") or []:
             if m.get("note"):
                 out.print(f"GPU {s['gpu']} {m['name']}: {m['note']}", markup=False, highlight=False)
@@ -436,9 +437,10 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON):
                                      f"{cfg.daemon.memory_budget!r} of {configs.format_bytes(total)})"})
             room = total - keep_free(cfg.daemon, gpu) - (nbytes - largest[gpu])
             if fill_need(largest[gpu], cfg.daemon.device) > room:
-                checks.append({"check": f"fill GPU {gpu}", "ok": False, "detail": f"the largest model's fill needs "
-                               f"about {gib(fill_need(largest[gpu], cfg.daemon.device))} at its peak; beside the "
-                               f"others and keep_free {gib(room)} is left: serve fewer models on this GPU"})
+                peak = gib(fill_need(largest[gpu], cfg.daemon.device))
+                checks.append({"check": f"fill GPU {gpu}", "ok": False, "detail": (
+                    f"the largest model's fill needs about {peak} at its peak; beside the other models and "
+                    f"keep_free, {gib(room)} is left: serve fewer models on this GPU, or lower keep_free")})
             beside = nbytes - largest[gpu]
             if cfg.daemon.device != "cpu" and beside > total * (1 - VLLM_UTILIZATION):
                 checks.append({"check": f"engine room GPU {gpu}", "ok": True, "warn": True, "detail": (

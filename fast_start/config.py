@@ -41,7 +41,7 @@ class DaemonConfig:
     admin_groups: tuple[str, ...] = ()      # members may also evict (as root and the daemon's user may)
     fill_bandwidth: str = "0"               # bytes/s the fill may read; "0" = unlimited
     arena_chunk: str = "512MiB"             # an arena's most bytes: what a copy-mode engine holds twice
-    keep_free: str = "1GiB"                 # device memory a fill leaves free for engines
+    keep_free: str = "1GiB"                 # device memory fills (and copies beside a kept cache) leave free
     refill_on_change: bool = True           # refill a model whose checkpoint changed under it
     metrics_file: str = ""                  # a Prometheus textfile per GPU ("{gpu}" in the path); "" = none
 

@@ -72,7 +72,9 @@ def fill_need(nbytes: int, device: str) -> int:
 
 
 def gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
+    """Bytes for people, in the unit that suits them ("17.26 GiB", "2.15 MiB"; negative: "-0.50 GiB")."""
+    from .config import format_bytes
+    return format_bytes(n) if n >= 0 else "-" + format_bytes(-n)
 
 
 def device_total(device: str, gpu: int) -> int:

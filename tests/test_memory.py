@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import sys
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import fast_start
 from fast_start import protocol
 from fast_start.cli import app
 from fast_start.config import load
-from fast_start.errors import ConfigError
+from fast_start.errors import CacheMiss, ConfigError
 from fast_start.materialize import load_from_disk
 from devtools.harness import write_config
 
@@ -88,8 +89,8 @@ def test_a_reload_adding_a_model_with_no_room_waits_naming_the_shortfall(tmp_pat
     d.proc.send_signal(signal.SIGHUP)
     wait_until(lambda: [m["state"] for m in status(d)["missing"]] == ["no_room"], what="the shortfall")
     (waiting,) = status(d)["missing"]
-    assert re.fullmatch(r"big needs \d+\.\d\d GiB of host memory to fill \(\d+\.\d\d GiB of weights\); \d+\.\d\d GiB "
-                        r"is free and keep_free leaves \d+\.\d\d GiB of it to engines: \d+\.\d\d GiB short",
+    assert re.fullmatch(r"big needs \d+\.\d\d [KMG]iB of host memory to fill \(\d+\.\d\d [KMG]iB of weights\); "
+                        r"\d+\.\d\d [KMG]iB is free and keep_free leaves \d+\.\d\d [KMG]iB of it to engines: \d+\.\d\d [KMG]iB short",
                         waiting["detail"]), waiting["detail"]
     assert [m["name"] for m in status(d)["models"]] == ["small"] and status(d)["models"][0]["filled_at"] == before
     assert evictions(d) == []
@@ -100,8 +101,8 @@ def test_a_reload_adding_a_model_with_no_room_waits_naming_the_shortfall(tmp_pat
     assert d.log.read_text().count("big waits for room") == 1
     r = runner.invoke(app, ["status", "--config", str(cfg)], env={"COLUMNS": "200"})
     assert r.exit_code == 1 and "no_room" in r.stdout
-    assert re.search(r"GPU 0 memory: \d+\.\d\d GiB total, 0\.00 GiB held by the cache, \d+\.\d\d GiB free, "
-                     r"keep_free \d+\.\d\d GiB", r.stdout), r.stdout
+    assert re.search(r"GPU 0 memory: \d+\.\d\d [KMG]iB total, \d+\.\d\d MiB held by the cache, \d+\.\d\d [KMG]iB free, "
+                     r"keep_free \d+\.\d\d [KMG]iB", r.stdout), r.stdout
     write_config(tmp_path / "fs.toml", run, [model("small", small), model("big", llama_tied)])
     d.proc.send_signal(signal.SIGHUP)           # room again: filled at once
     wait_until(lambda: sorted(m["name"] for m in status(d)["models"]) == ["big", "small"], what="the fill")
@@ -130,3 +131,43 @@ def test_status_json_reports_the_devices_memory(tmp_path, small, daemons):
     mem = json.loads(r.stdout)[0]["memory"]
     assert mem["keep_free"] == 1 << 20 and mem["held"] == status(d)["models"][0]["bytes"]
     assert mem["total"] >= mem["free"] > 0
+
+
+def test_check_config_fails_a_device_whose_largest_model_cannot_be_filled(tmp_path, small, llama_tied):
+    models = [model("small", small), model("big", llama_tied)]
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", models, worker_python=sys.executable)
+    r = runner.invoke(app, ["check-config", "--config", str(cfg), "--json"])
+    checks = {c["check"]: c for c in json.loads(r.stdout)}
+    assert r.exit_code == 0 and "fill GPU 0" not in checks
+    full = write_config(tmp_path / "full.toml", tmp_path / "run", models, worker_python=sys.executable,
+                        keep_free="100%")
+    r = runner.invoke(app, ["check-config", "--config", str(full), "--json"])
+    checks = {c["check"]: c for c in json.loads(r.stdout)}
+    assert r.exit_code == 2 and not checks["fill GPU 0"]["ok"]
+    assert re.fullmatch(r"the largest model's fill needs about \d+\.\d\d [KMG]iB at its peak; beside the other models "
+                        r"and keep_free, -\d+\.\d\d [KMG]iB is left: serve fewer models on this GPU, or lower keep_free",
+                        checks["fill GPU 0"]["detail"]), checks["fill GPU 0"]["detail"]
+
+
+def test_a_copy_beside_a_kept_cache_without_room_is_refused_naming_both_options(tmp_path, small, daemons):
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "fs.toml", run, [model("small", small)], keep_free="0")
+    d = daemons(cfg)
+    write_config(tmp_path / "fs.toml", run, [model("small", small)], keep_free="100%")
+    d.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "reloaded" in d.log.read_text(), what="the reload")
+    spec = fast_start.WeightSpec(str(small), engine_version="test")
+    with pytest.raises(CacheMiss) as e:
+        fast_start.fetch(spec, mode="copy", socket_dir=str(run), fallback=False)
+    assert re.fullmatch(r"no room on host memory for a copy of small \(\d+\.\d\d [KMG]iB\) beside the cache "
+                        r'\(on_release = "keep"\): \d+\.\d\d [KMG]iB free, \d+\.\d\d [KMG]iB needed with keep_free '
+                        r"\(model 'small'\)", e.value.what)
+    assert e.value.fix == ('set on_release = "drop" in the daemon\'s config (a copy then takes the cache\'s place), '
+                           "or load with mode zero_copy")
+    assert fast_start.fetch(spec, mode="zero_copy", socket_dir=str(run), fallback=False).source == "cache"
+    (m,) = status(d)["models"]
+    assert "copy refused" in m["note"] and evictions(d) == []
+    misses = [s for s in ask(d, protocol.Metrics())["samples"] if s[0] == "fast_start_cache_misses_total"]
+    assert [(s[1]["reason"], s[2]) for s in misses] == [("memory", 1)]
+    r = runner.invoke(app, ["status", "--config", str(cfg)], env={"COLUMNS": "200"})
+    assert "small: " in r.stdout and "copy refused: no room on host memory" in r.stdout
