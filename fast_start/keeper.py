@@ -128,6 +128,11 @@ class Keeper:
             self.d.cache.set_pending(name, "stale", "waiting for the checkpoint's files to settle")
             self.retry[name] = time.monotonic() + SETTLE_S
             return
+        try:
+            self.d.room_for(model)      # a size known from before: no worker starts while there is no room
+        except NoRoom as e:
+            self.wait_for_room(name, e)
+            return
         with self.d.workers() as workers:
             try:
                 self.d.check_models([model], workers)
@@ -139,12 +144,8 @@ class Keeper:
             self.d.cache.set_pending(name, "filling")
             try:
                 self.d.fill([model], workers)
-            except NoRoom as e:         # waits: the old cache (if still valid) serves meanwhile
-                if name not in self.short:
-                    self.short.add(name)
-                    log.warning("%s waits for room: %s (fix: %s)", name, e.what, e.fix)
-                self.d.cache.set_pending(name, "no_room", e.what)
-                self.retry[name] = time.monotonic() + ROOM_S
+            except NoRoom as e:
+                self.wait_for_room(name, e)
                 return
             except FastStartError as e:
                 self.short.discard(name)
@@ -156,6 +157,15 @@ class Keeper:
             log.info("%s had room and is filled", name)
         self.d.watch.add(name, model.path)
         self.check(name)            # changed while it filled: stale again at once
+
+    def wait_for_room(self, name: str, e: NoRoom) -> None:
+        """`name`'s fill does not fit the device's free memory: it waits (whatever is cached keeps
+        serving), looked at again every ROOM_S and at each reload; logged once."""
+        if name not in self.short:
+            self.short.add(name)
+            log.warning("%s waits for room: %s (fix: %s)", name, e.what, e.fix)
+        self.d.cache.set_pending(name, "no_room", e.what)
+        self.retry[name] = time.monotonic() + ROOM_S
 
     def reload(self) -> None:
         """SIGHUP: read the config again; add new models, drop removed or changed ones, keep the rest."""
