@@ -231,7 +231,8 @@ def _status_table(states: list[dict]) -> None:
             size = configs.format_bytes
             known = f"{size(mem['total'])} total, " if "total" in mem else ""
             free = f", {size(mem['free'])} free" if "free" in mem else " (free memory unknown: no NVML)"
-            out.print(f"GPU {s['gpu']} memory: {known}{size(mem['held'])} held by the cache{free}, "
+            where = f"GPU {s['gpu']}" + (" (host memory)" if s.get("device") == "cpu" else "")
+            out.print(f"{where}: {known}{size(mem['held'])} held by the cache{free}, "
                       f"keep_free {size(mem['keep_free'])}", markup=False, highlight=False)
         for m in s.get("models") or []:
             if m.get("note"):

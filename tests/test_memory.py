@@ -103,7 +103,7 @@ def test_a_reload_adding_a_model_with_no_room_waits_naming_the_shortfall(tmp_pat
     assert d.log.read_text().count("big waits for room") == 1
     r = runner.invoke(app, ["status", "--config", str(cfg)], env={"COLUMNS": "200"})
     assert r.exit_code == 1 and "no_room" in r.stdout
-    assert re.search(r"GPU 0 memory: \d+\.\d\d [KMG]iB total, \d+\.\d\d MiB held by the cache, \d+\.\d\d [KMG]iB free, "
+    assert re.search(r"GPU 0 \(host memory\): \d+\.\d\d [KMG]iB total, \d+\.\d\d MiB held by the cache, \d+\.\d\d [KMG]iB free, "
                      r"keep_free \d+\.\d\d [KMG]iB", r.stdout), r.stdout
     write_config(tmp_path / "fs.toml", run, [model("small", small), model("big", llama_tied)])
     d.proc.send_signal(signal.SIGHUP)           # room again: filled at once
