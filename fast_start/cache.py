@@ -251,8 +251,7 @@ class Cache:
         need = entry.nbytes + max((a.size for a in entry.manifest.arenas), default=0) + self.keep_free
         if now is None or now.free >= need:
             return None
-        where = "host memory" if self.device == "cpu" else f"GPU {self.gpu}"
-        what = (f"no room on {where} for a copy of {entry.model.name} ({memory.gib(entry.nbytes)}) beside the cache "
+        what = (f"no room on {memory.where(self.device, self.gpu)} for a copy of {entry.model.name} ({memory.gib(entry.nbytes)}) beside the cache "
                 f"(on_release = \"keep\"): {memory.gib(now.free)} free, {memory.gib(need)} needed with keep_free")
         with self.lock:
             self.notes[entry.model.name] = f"{time.strftime('%H:%M:%S')}: copy refused: {what}"
@@ -278,8 +277,8 @@ class Cache:
         """Count and log a miss (one line naming the engine and the fingerprint fields that differ)."""
         log.info("miss for pid %d uid %d: %s%s", peer.pid, peer.uid, miss.reason,
                  f"; differing fields: {', '.join(miss.fields)}" if miss.fields else "")
-        reason = "memory" if "memory" in miss.fields else "access" if "access" in miss.fields else "files" if "files" in miss.fields else \
-            "fingerprint" if miss.fields else "evicted" if miss.reason.startswith("evicted") else "not_cached"
+        reason = next((f for f in ("memory", "access", "files") if f in miss.fields), None) or \
+            ("fingerprint" if miss.fields else "evicted" if miss.reason.startswith("evicted") else "not_cached")
         self.metrics.inc("fast_start_cache_misses_total", model=miss.model or "", reason=reason)
         return miss
 

@@ -437,10 +437,10 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON):
                                      f"{configs.format_bytes(budget)} budget (memory_budget = "
                                      f"{cfg.daemon.memory_budget!r} of {configs.format_bytes(total)})"})
             room = total - keep_free(cfg.daemon, gpu) - (nbytes - largest[gpu])
-            if fill_need(largest[gpu], cfg.daemon.device) > room:
-                peak = gib(fill_need(largest[gpu], cfg.daemon.device))
+            peak = fill_need(largest[gpu], cfg.daemon.device)
+            if peak > room:
                 checks.append({"check": f"fill GPU {gpu}", "ok": False, "detail": (
-                    f"the largest model's fill needs about {peak} at its peak; beside the other models and "
+                    f"the largest model's fill needs about {gib(peak)} at its peak; beside the other models and "
                     f"keep_free, {gib(room)} is left: serve fewer models on this GPU, or lower keep_free")})
             beside = nbytes - largest[gpu]
             if cfg.daemon.device != "cpu" and beside > total * (1 - VLLM_UTILIZATION):

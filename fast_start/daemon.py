@@ -219,8 +219,7 @@ class Daemon:
         need, room = memory.fill_need(nbytes, self.cfg.daemon.device), now.free - self.cache.keep_free
         self.cache.metrics.set("fast_start_fill_shortfall_bytes", max(0, need - room), model=m.name)
         if need > room:
-            where = "host memory" if self.cfg.daemon.device == "cpu" else f"GPU {self.gpu}"
-            raise NoRoom(f"{m.name} needs {memory.gib(need)} of {where} to fill ({memory.gib(nbytes)} of weights); "
+            raise NoRoom(f"{m.name} needs {memory.gib(need)} of {memory.where(self.cfg.daemon.device, self.gpu)} to fill ({memory.gib(nbytes)} of weights); "
                          f"{memory.gib(now.free)} is free and keep_free leaves {memory.gib(self.cache.keep_free)} of it "
                          f"to engines: {memory.gib(need - room)} short",
                          "free that much (stop an engine or evict a model), or lower keep_free; the daemon tries "

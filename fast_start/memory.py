@@ -71,6 +71,11 @@ def fill_need(nbytes: int, device: str) -> int:
     return nbytes + max(nbytes // 10, 0 if device == "cpu" else 2 * GIB)
 
 
+def where(device: str, gpu: int) -> str:
+    """How messages name the memory of a daemon's device ("cpu" or "cuda", or a GPU's UUID)."""
+    return "host memory" if device == "cpu" else f"GPU {gpu}"
+
+
 def gib(n: int) -> str:
     """Bytes for people, in the unit that suits them ("17.26 GiB", "2.15 MiB"; negative: "-0.50 GiB")."""
     from .config import format_bytes

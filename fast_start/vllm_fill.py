@@ -268,7 +268,8 @@ def export(want, named, device: str, engine: dict, progress=None, chunk: int = C
                             arenas.checksum(t), stride)
         entries.append(entry)
         members[arena].append((t, entry))
-    total, done, writers, made = sum(sizes), 0, [], []
+    total, done, made = sum(sizes), 0, []
+    writers, fds = [], []               # writers still open; fds of arenas sealed
     try:
         for i, (group, size) in enumerate(zip(chunks, sizes)):
             writer = arenas.create(size, device, f"vllm-{want.checkpoint[:12]}-r{want.rank}-{i}")
@@ -290,16 +291,18 @@ def export(want, named, device: str, engine: dict, progress=None, chunk: int = C
                 if torch.device(device).type == "cuda":
                     torch.cuda.empty_cache()        # back to the driver before the next chunk
             if not hold:
-                writers[i] = writer.finish()
+                fds.append(writer.finish())
+                writers.pop()
         if then is not None:
             then(entries)
-        fds = [w if isinstance(w, int) else w.finish() for w in writers]
+        while writers:
+            fds.append(writers[0].finish())
+            writers.pop(0)
     except BaseException:
+        for fd in fds:
+            os.close(fd)
         for w in writers:
-            if isinstance(w, int):
-                os.close(w)
-            else:
-                w.abort()
+            w.abort()
         raise
     manifest = Manifest(want, tuple(made), tuple(entries), aliases, engine)
     manifest.validate()
