@@ -510,10 +510,10 @@ class Cache:
     def fingerprints(self, peer: Peer | None = None) -> dict:
         admin = peer is None or peer.admin
         with self.lock:
-            return {"gpu": self.gpu, "models": [{"name": n, **({"path": e.model.path} if admin else {}),
-                                                 "digest": e.manifest.fingerprint.digest(), "bytes": e.nbytes,
-                                                 "fingerprint": e.manifest.fingerprint.to_dict(), "files": e.files}
-                                                for n, e in self.entries.items()]}
+            models = [{"name": n, **({"path": e.model.path} if admin else {}), "digest": e.manifest.fingerprint.digest(),
+                       "bytes": e.nbytes, "fingerprint": e.manifest.fingerprint.to_dict(), "files": e.files}
+                      for n, e in self.entries.items()]
+            return {"gpu": self.gpu, "on_release": self.on_release, "models": models}
 
     def metric_samples(self, peer: Peer | None = None) -> dict:
         """The counters, and the gauges read off the cache now."""

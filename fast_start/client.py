@@ -372,9 +372,10 @@ def fit_error(missing: list[str], unexpected: list[str], wrong: list[str], fix: 
         for label, items in (("missing", missing), ("unexpected", unexpected), ("mismatched", wrong)) if items), fix)
 
 
-def cached_bytes(spec: WeightSpec, device: str | torch.device = "cpu", socket_dir: str | None = None,
-                 connect_timeout: float = 5.0) -> int:
-    """Bytes the daemon serving `device` holds for exactly `spec`'s fingerprint; 0 if none does."""
+def cached(spec: WeightSpec, device: str | torch.device = "cpu", socket_dir: str | None = None,
+           connect_timeout: float = 5.0) -> tuple[int, str]:
+    """Bytes the daemon serving `device` holds for exactly `spec`'s fingerprint, and that daemon's
+    `on_release`; (0, "") if none does."""
     digest = fingerprint(spec).digest()
     device_id = _device_id(torch.device(device))
     for path in _sockets(_socket_dir(socket_dir)):
@@ -382,10 +383,10 @@ def cached_bytes(spec: WeightSpec, device: str | torch.device = "cpu", socket_di
             with connect(path, connect_timeout) as conn:
                 if request(conn, protocol.Hello(protocol.VERSION)).device != device_id:
                     continue
-                models = request(conn, protocol.Fingerprints()).body["models"]
+                body = request(conn, protocol.Fingerprints()).body
         except (FastStartError, OSError):
             continue
-        found = [m["bytes"] for m in models if m["digest"] == digest]
+        found = [m["bytes"] for m in body["models"] if m["digest"] == digest]
         if found:
-            return found[0]
-    return 0
+            return found[0], body.get("on_release", "")
+    return 0, ""

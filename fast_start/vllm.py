@@ -58,7 +58,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from . import vllm_attention, vllm_rules, vllm_state
 from .vllm_install import prepare
-from .client import MODES, cached_bytes, fetch, release
+from .client import MODES, cached, fetch, release
 from .errors import CacheMiss, FastStartError, QuantizationError
 from .fingerprint import WeightSpec
 from .dtypes import MODEL, torch_dtype
@@ -77,23 +77,33 @@ def register() -> None:
         register_model_loader(LOAD_FORMAT)(FastStartLoader)
         before_32 = not hasattr(BaseModelLoader, "get_external_weight_memory")
         _wrap_runners(count=before_32)
-        if before_32:
-            _wrap_startup_check()
+        _wrap_startup_check(before_32)
         _registered = True
 
 
 _excluded: dict = {}        # what the start-up check left out: {"bytes", "free", "requested"}
+_starting: list = []        # the vLLM workers inside `init_device`, innermost last
 
 
-def _wrap_startup_check() -> None:
-    """vLLM before 0.32 checks at start-up, before any loader runs, that the GPU's free memory
-    holds `gpu_memory_utilization` of it (`request_memory`), counting the daemon's arenas as
-    used: at the default 0.9 an engine beside a cache of more than a tenth of the GPU would not
-    start. Here, as vLLM 0.32 does with `get_external_weight_memory`, the bytes the daemon holds
-    for exactly this rank's fingerprint (a zero_copy engine maps them: they are its weights) are
-    counted as free for that check. The KV cache is sized later as the default loader's on an
-    empty GPU: the mapped bytes count as the model's memory (`_wrap_runners`). Should the load
-    then miss and fall back to disk, the check is made again without them (`_loading`)."""
+def _wrap_startup_check(before_32: bool) -> None:
+    """vLLM checks at start-up, before any loader runs, that the GPU's free memory holds
+    `gpu_memory_utilization` of it (`request_memory`), counting the daemon's arenas as used; the
+    snapshot it takes there is also what its profiler later measures the engine's own memory
+    against. Two cases need the daemon's bytes for this rank counted otherwise:
+
+    - A zero_copy engine maps them: they are its weights. vLLM 0.32 excludes them from the check
+      itself (`get_external_weight_memory`); before 0.32 they are counted as free for the check
+      here, so an engine at 0.9 starts beside a cache of more than a tenth of the GPU. The KV
+      cache is then sized as the default loader's on an empty GPU: the mapped bytes count as
+      the model's memory (`_wrap_runners`). Should the load miss and fall back to disk, the
+      check is made again without them (`_loading`).
+    - A copy engine whose daemon drops its cache (`on_release = "drop"`) takes that memory over:
+      the snapshot is taken as if the daemon did not hold those bytes (`_hand_over`), on every
+      version. Otherwise the check would count them as used, and the profiler, seeing another
+      process's memory go away while the engine loads, would take it for memory the engine
+      freed and size the KV cache larger by the model's bytes. Should the load miss, the daemon
+      keeps them, the profiler sees them as the engine's, and the KV cache is smaller by them.
+    """
     try:
         from vllm.v1.worker import gpu_worker
     except ImportError:
@@ -101,44 +111,61 @@ def _wrap_startup_check() -> None:
     check, init_device = getattr(gpu_worker, "request_memory", None), gpu_worker.Worker.init_device
     if check is None:
         return
-    starting: list = []
 
     def init(self, *args, **kwargs):
-        starting.append(self)
+        _starting.append(self)
         try:
             return init_device(self, *args, **kwargs)
         finally:
-            starting.remove(self)
+            _starting.remove(self)
 
     def request(snapshot, cache_config, *args, **kwargs):
-        held = _held(starting[-1].vllm_config) if starting else 0
-        if not held:
-            return check(snapshot, cache_config, *args, **kwargs)
-        counted = copy.copy(snapshot)
-        counted.free_memory = snapshot.free_memory + held
-        requested = check(counted, cache_config, *args, **kwargs)
-        _excluded.update(bytes=held, free=snapshot.free_memory, requested=requested)
-        log.info("fast-start: the %.2f GiB this rank maps from the daemon count as free in vLLM's start-up memory "
-                 "check", held / 2**30)
-        return requested
+        how, held = _handover(_starting[-1].vllm_config, before_32) if _starting else ("", 0)
+        if how == "drop":
+            _hand_over(snapshot, held)
+            log.info("fast-start: the daemon hands the %.2f GiB it holds for this rank over to its copy "
+                     "(on_release = \"drop\"): vLLM's memory accounting counts them as free at start-up", held / 2**30)
+        elif how == "map" and before_32:
+            counted = copy.copy(snapshot)
+            counted.free_memory = snapshot.free_memory + held
+            requested = check(counted, cache_config, *args, **kwargs)
+            _excluded.update(bytes=held, free=snapshot.free_memory, requested=requested)
+            log.info("fast-start: the %.2f GiB this rank maps from the daemon count as free in vLLM's start-up "
+                     "memory check", held / 2**30)
+            return requested
+        return check(snapshot, cache_config, *args, **kwargs)
 
     gpu_worker.Worker.init_device = init
     gpu_worker.request_memory = request
 
 
-def _held(vllm_config) -> int:
-    """Bytes the daemon holds for exactly this zero_copy rank; 0 for any other load."""
+def _handover(vllm_config, zero_copy: bool = True) -> tuple[str, int]:
+    """What becomes of the bytes the daemon holds for exactly this rank: ("map", n) a zero_copy
+    engine maps them; ("drop", n) a copy engine takes them over; ("", 0) any other load, and a
+    zero_copy one unless `zero_copy` (the daemon is not asked then)."""
     load = vllm_config.load_config
     if load.load_format != LOAD_FORMAT:
-        return 0
+        return "", 0
     try:
         options = Options.parse(load.model_loader_extra_config)
-        if options.mode != "zero_copy":
-            return 0
+        if options.mode == "zero_copy" and not zero_copy:
+            return "", 0
         spec = weight_spec(vllm_config.model_config, vllm_config)
-        return cached_bytes(spec, _device(vllm_config), options.socket_dir, options.connect_timeout_s)
+        held, on_release = cached(spec, _device(vllm_config), options.socket_dir, options.connect_timeout_s)
     except (FastStartError, ValueError):
-        return 0
+        return "", 0
+    if held and options.mode == "zero_copy":
+        return "map", held
+    if held and on_release == "drop":
+        return "drop", held
+    return "", 0
+
+
+def _hand_over(snapshot, held: int) -> None:
+    """vLLM's start-up memory snapshot, in place, as it would read without the daemon's `held` bytes."""
+    snapshot.free_memory += held
+    snapshot.cuda_memory -= held
+    snapshot.non_torch_memory -= held
 
 
 def _wrap_runners(count: bool) -> None:
@@ -271,7 +298,7 @@ class FastStartLoader(BaseModelLoader):
         try:
             spec = weight_spec(vllm_config.model_config, vllm_config)
             device = _device(vllm_config)
-            return cached_bytes(spec, device, self.options.socket_dir, self.options.connect_timeout_s)
+            return cached(spec, device, self.options.socket_dir, self.options.connect_timeout_s)[0]
         except FastStartError:
             return 0
 

