@@ -13,10 +13,13 @@ BASELINE_TREE (a checkout of the code before, first on PYTHONPATH) and for this 
 daemon's fill (peak, time to READY) and a zero_copy engine at 0.9 (`Model loading took`, the KV
 cache), and for this tree a copy engine (tokens).
 
-near_full: a ballast process holds the GPU until the model is at least 75 % of its free
-memory; the daemon (on_release "drop") fills (peak); a copy `fetch` beside it (peak of engine
-and daemon together); a refill; then the ballast goes, a zero_copy engine at 0.9 starts and,
-while it keeps generating, a reload adds a second model that cannot fit.
+near_full: vLLM's default loader at 0.9 on the empty GPU; then a ballast process holds the GPU
+until the model is at least 75 % of its free memory; the daemon (on_release "drop") fills
+(peak); a copy engine beside it, at the most the ballast leaves (the peak of engine and daemon
+together while it loads); a refill; then the ballast goes: a copy engine at 0.9 (its KV cache
+against the default loader's), a refill, and a zero_copy engine at 0.9 that keeps generating
+while a reload adds a second model that cannot fit. OUTDIR/near_full.json is written after
+each step.
 """
 from __future__ import annotations
 
@@ -62,8 +65,8 @@ class Sampler:
         m = memory.of(self.uuid)
         return m.total - m.free
 
-    def peak(self, since: float) -> int:
-        return max(u for t, u in self.points if t >= since)
+    def peak(self, since: float, until: float = float("inf")) -> int:
+        return max(u for t, u in self.points if since <= t <= until)
 
 
 def log_lines(text: str, pattern: str) -> list[str]:
@@ -178,39 +181,22 @@ def fill(sampler: Sampler, name: str, models: list[dict], tree: str = "", **daem
                "held_after_gb": (sampler.now() - base) / GB}
 
 
-COPY_PROBE = """
-import json, os, sys, time, torch, vllm
-import fast_start
-from fast_start import vllm_rules
-torch.empty(1, device="cuda:0")          # this process's CUDA context, before the sampled fetch
-print("context", flush=True)
-sys.stdin.readline()
-spec = fast_start.WeightSpec(sys.argv[1], 1, 0, "bfloat16", "none", "vllm", "main", vllm.__version__, 1,
-                             vllm_rules.engine_options(os.environ, "auto", 1))
-start = time.perf_counter()
-w = fast_start.fetch(spec, "cuda:0", mode="copy", socket_dir=sys.argv[2], fallback=False)
-torch.cuda.synchronize()
-print(json.dumps({"source": w.source, "fetch_s": time.perf_counter() - start,
-                  "bytes": sum(t.nbytes for t in w.values())}), flush=True)
-time.sleep(1.0)
-"""
-
-
-def copy_probe(sampler: Sampler, path: Path, run_dir: Path) -> dict:
-    """A copy-mode fetch in a fresh process: the peak of the GPU's use above the process's own
-    context (sampled once it is made, before the fetch) and what it is after."""
-    base = sampler.now()
-    proc = subprocess.Popen([sys.executable, "-c", COPY_PROBE, str(path), str(run_dir)], env=env(), cwd=WORK,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(OUT / "copy-probe.log", "w"),
-                            text=True)
-    assert proc.stdout.readline().strip() == "context"
-    context = sampler.now()
-    since = time.monotonic()
-    out, _ = proc.communicate("go\n", timeout=300)
-    r = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
-    return {"rc": proc.returncode, **r, "used_before_gb": base / GB, "with_context_gb": context / GB,
-            "used_after_exit_gb": sampler.now() / GB,
-            "peak_gb": sampler.peak(since) / GB, "peak_above_context_gb": (sampler.peak(since) - context) / GB}
+def copy_engine(sampler: Sampler, name: str, path: Path, run_dir: Path, util: float) -> dict:
+    """A vLLM engine in copy mode, its daemon dropping the cache for it: the peak of the GPU's use
+    while it starts and loads (until its `Model loading took` line, read every 20 ms), above what
+    was used before it started: its CUDA context, and the model moving from the daemon to it."""
+    base, since = sampler.now(), time.monotonic()
+    proc, out, log = engine(name, path, "fast_start", {"socket_dir": str(run_dir), "fallback": False, "mode": "copy"},
+                            util=util, background=True)
+    deadline = since + 400
+    while proc.poll() is None and time.monotonic() < deadline and \
+            "Model loading took" not in log.read_text(errors="replace"):
+        time.sleep(0.02)
+    loaded = time.monotonic()
+    r = finish(proc, out, log)
+    r.update(gpu_memory_utilization=util, used_before_gb=base / GB,
+             load_peak_above_gb=(sampler.peak(since, loaded) - base) / GB, used_after_exit_gb=sampler.now() / GB)
+    return r
 
 
 def before_after(sampler: Sampler, baseline: str) -> dict:
@@ -232,34 +218,39 @@ def before_after(sampler: Sampler, baseline: str) -> dict:
     return r
 
 
-def near_full(sampler: Sampler) -> dict:
+def near_full(sampler: Sampler, save) -> dict:
     path = checkpoint()
     weights = SHAPE.nbytes()
+    r = {"model_gb": weights / GB}
+    r["default"] = engine("default-0.9", path)      # on the empty GPU: the KV cache an engine at 0.9 gets
+    save(r)
     free = memory.of(sampler.uuid).free
     ballast_bytes = free - int(weights / 0.75)
-    r = {"model_gb": weights / GB, "free_before_ballast_gb": free / GB, "ballast_gb": ballast_bytes / GB}
+    r.update(free_before_ballast_gb=free / GB, ballast_gb=ballast_bytes / GB)
     ballast = subprocess.Popen([sys.executable, "-c", "import sys, torch; x = torch.empty(int(sys.argv[1]), "
                                 "dtype=torch.uint8, device='cuda:0'); print('up', flush=True); sys.stdin.read()",
                                 str(ballast_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert ballast.stdout.readline().strip() == "up"
-    r["free_with_ballast_gb"] = memory.of(sampler.uuid).free / GB
-    r["model_share_of_free"] = weights / memory.of(sampler.uuid).free
+    free = memory.of(sampler.uuid).free
+    r.update(free_with_ballast_gb=free / GB, model_share_of_free=weights / free)
     d, r["fill"] = fill(sampler, "near-full", [model_entry("qwen3-8b", path)], on_release="drop")
     try:
         r["fill"]["peak_over_weights"] = r["fill"]["peak_above_gb"] * GB / weights
-        r["copy"] = copy_probe(sampler, path, d.run_dir)
-        r["copy"]["evictions"] = d.cli("evictions")
-        since, base = time.monotonic(), sampler.now()
-        subprocess.run([sys.executable, "-m", "fast_start.cli", "fill", "--gpu", "0", "--config", str(d.config)],
-                       env=env(), capture_output=True)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not [m for m in d.cli("status")[0].get("models", [])]:
-            time.sleep(1)
-        r["refill"] = {"s": round(time.monotonic() - since, 1), "peak_above_gb": (sampler.peak(since) - base) / GB}
-        r["refill"]["peak_over_weights"] = r["refill"]["peak_above_gb"] * GB / weights
+        save(r)
+        # The most a copy engine beside the ballast may ask for: the free memory with the cache
+        # handed over, less its CUDA context (0.55 GB) and a margin.
+        total = memory.of(sampler.uuid).total
+        r["copy_beside_ballast"] = copy_engine(sampler, "near-full-copy", path, d.run_dir,
+                                               int((free - 1.5 * GB) / total * 100) / 100)
+        r["copy_beside_ballast"]["evictions"] = d.cli("evictions")
+        save(r)
+        r["refill"] = refill(sampler, d, weights)
         ballast.stdin.close()
         ballast.wait(60)
         r["free_without_ballast_gb"] = memory.of(sampler.uuid).free / GB
+        r["copy_0.9"] = copy_engine(sampler, "copy-0.9", path, d.run_dir, 0.9)
+        save(r)
+        r["refill_2"] = refill(sampler, d, weights)
         opts = {"socket_dir": str(d.run_dir), "fallback": False}
         stop_file = WORK / "stop-serving"
         stop_file.unlink(missing_ok=True)
@@ -288,6 +279,23 @@ def near_full(sampler: Sampler) -> dict:
         if ballast.poll() is None:
             ballast.kill()
         d.stop()
+    for key in ("copy_beside_ballast", "copy_0.9", "serving"):
+        if key in r:
+            r[key]["same_tokens"] = r[key]["tokens"] == r["default"]["tokens"]
+            r[key]["same_digest"] = r[key]["digest"] == r["default"]["digest"]
+    return r
+
+
+def refill(sampler: Sampler, d: Daemon, weights: int) -> dict:
+    """`fast-start fill` after a copy took the cache: time until the model is back, and the peak."""
+    since, base = time.monotonic(), sampler.now()
+    subprocess.run([sys.executable, "-m", "fast_start.cli", "fill", "--gpu", "0", "--config", str(d.config)],
+                   env=env(), capture_output=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not [m for m in d.cli("status")[0].get("models", [])]:
+        time.sleep(1)
+    r = {"s": round(time.monotonic() - since, 1), "peak_above_gb": (sampler.peak(since) - base) / GB}
+    r["peak_over_weights"] = r["peak_above_gb"] * GB / weights
     return r
 
 
@@ -296,9 +304,12 @@ def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     phase = sys.argv[2]
     sampler = Sampler()
-    result = before_after(sampler, sys.argv[3]) if phase == "before_after" else near_full(sampler)
+
+    def save(result: dict) -> None:       # after each step: a run cut short still reports what it did
+        (OUT / f"{phase}.json").write_text(json.dumps(result, indent=1, default=str))
+    result = before_after(sampler, sys.argv[3]) if phase == "before_after" else near_full(sampler, save)
     sampler.done.set()
-    (OUT / f"{phase}.json").write_text(json.dumps(result, indent=1, default=str))
+    save(result)
     print(json.dumps(result, indent=1, default=str)[-6000:])
 
 
