@@ -336,7 +336,8 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
                 continue
             spec = WeightSpec(str(model), stored.tensor_parallel_size, stored.rank, stored.dtype, stored.quantization,
                               stored.layout.split("/")[0], stored.revision, stored.engine_version,
-                              stored.pipeline_parallel_size, stored.engine_options)
+                              stored.pipeline_parallel_size, stored.engine_options, stored.data_parallel_size,
+                              stored.data_parallel_rank, stored.expert_parallel)
             fields = list(stored.diff(fingerprint(spec)))
             changed = watch.differs(m["files"], files)
             if changed:      # the fill read other files, or these changed since

@@ -71,16 +71,29 @@ class ModelConfig:
     pipeline_parallel_size: int = 1         # ranks are global: pp_rank * tensor_parallel_size + tp_rank
     kv_cache_dtype: str = "auto"            # layout "vllm": the engine's --kv-cache-dtype
     engine_env: tuple[str, ...] = ()        # layout "vllm": the engine's kernel-selecting VLLM_* variables
+    data_parallel_size: int = 1             # layout "vllm": the engine's --data-parallel-size
+    enable_expert_parallel: bool = False    # layout "vllm": the engine's --enable-expert-parallel
+    expert_placement_strategy: str = "linear"   # ... and its --expert-placement-strategy
 
     def spec(self, gpu: int) -> WeightSpec:
-        """The weights GPU `gpu` serves for this model."""
+        """The weights GPU `gpu` serves for this model: its slot (its place in `gpus` plus
+        `rank_offset`) counts DP rank by DP rank, each of tensor × pipeline ranks."""
         options = ""
         if self.layout == "vllm":
             env = {**os.environ, **vllm_rules.parse_env(self.engine_env, self.name)}
             options = vllm_rules.engine_options(env, self.kv_cache_dtype, self.pipeline_parallel_size)
-        return WeightSpec(self.path, self.tensor_parallel_size, self.gpus.index(gpu) + self.rank_offset,
-                          self.dtype, self.quantization, self.layout, self.revision, self.engine_version,
-                          self.pipeline_parallel_size, options)
+        dp_rank, rank = divmod(self.gpus.index(gpu) + self.rank_offset,
+                               self.tensor_parallel_size * self.pipeline_parallel_size)
+        return WeightSpec(self.path, self.tensor_parallel_size, rank, self.dtype, self.quantization, self.layout,
+                          self.revision, self.engine_version, self.pipeline_parallel_size, options,
+                          self.data_parallel_size, dp_rank, self.expert_parallel)
+
+    @property
+    def expert_parallel(self) -> str:
+        """The fingerprint's `expert_parallel`: vLLM places whole experts on each rank only with
+        more than one rank across TP and DP (`vllm_rules.expert_parallel`)."""
+        return vllm_rules.expert_parallel(self.enable_expert_parallel, self.expert_placement_strategy,
+                                          self.tensor_parallel_size, self.data_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -254,16 +267,21 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
         bad("gpus", "is empty", "list the GPU indices that serve this model, e.g. gpus = [0]")
     if len(set(m.gpus)) != len(m.gpus) or min(m.gpus) < 0:
         bad("gpus", f"{list(m.gpus)} lists a GPU twice or a negative index", "list each GPU once")
-    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         if getattr(m, key) < 1:
             bad(key, f"is {getattr(m, key)}", "use 1 or more")
-    if m.pipeline_parallel_size > 1 and m.layout != "vllm":
-        bad("pipeline_parallel_size", f"is {m.pipeline_parallel_size} with layout {m.layout!r}",
-            "pipeline stages are cached for layout = \"vllm\" only")
-    ranks = m.tensor_parallel_size * m.pipeline_parallel_size
+    for key, off in (("pipeline_parallel_size", 1), ("data_parallel_size", 1), ("enable_expert_parallel", False)):
+        if getattr(m, key) != off and m.layout != "vllm":
+            bad(key, f"is {getattr(m, key)} with layout {m.layout!r}",
+                "pipeline stages, data and expert parallelism are cached for layout = \"vllm\" only")
+    if m.expert_placement_strategy not in vllm_rules.PLACEMENTS:
+        bad("expert_placement_strategy", f"is {m.expert_placement_strategy!r}",
+            f"use one of {', '.join(vllm_rules.PLACEMENTS)}")
+    ranks = m.tensor_parallel_size * m.pipeline_parallel_size * m.data_parallel_size
     if m.rank_offset < 0 or m.rank_offset + len(m.gpus) > ranks:
         bad("rank_offset", f"{m.rank_offset} with {len(m.gpus)} GPUs serves ranks beyond {ranks - 1}",
-            "serve at most tensor_parallel_size × pipeline_parallel_size ranks: fix gpus or rank_offset")
+            "serve at most data_parallel_size × pipeline_parallel_size × tensor_parallel_size ranks: "
+            "fix gpus or rank_offset")
     if m.dtype not in dtypes.MODEL:
         bad("dtype", f"is {m.dtype!r}", f"use one of {', '.join(dtypes.MODEL)}")
     if m.layout not in LAYOUTS:

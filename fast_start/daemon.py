@@ -44,7 +44,7 @@ from . import config as configs
 from .cache import Cache, Entry, Limits
 from .errors import ConfigError, FastStartError, NoRoom
 from .fill import FillError, Workers, worker_env
-from .fingerprint import LAYOUT_VERSION, fingerprint
+from .fingerprint import LAYOUT_VERSION, Fingerprint, fingerprint
 from .keeper import Keeper
 from .manifest import Manifest
 from .serve import Policy, Server
@@ -66,10 +66,8 @@ def device_id(device: str, gpu: int) -> str:
 def config_fields(model: configs.ModelConfig, gpu: int) -> dict:
     """The fingerprint fields the config alone decides (no checkpoint file read)."""
     spec = model.spec(gpu)
-    fields = {"tensor_parallel_size": spec.tensor_parallel_size, "rank": spec.rank, "dtype": spec.dtype,
-              "quantization": spec.quantization, "revision": spec.revision, "engine_version": spec.engine_version,
-              "layout": f"{spec.layout}/{LAYOUT_VERSION}", "pipeline_parallel_size": spec.pipeline_parallel_size,
-              "engine_options": spec.engine_options}
+    fields = {k: v for k, v in spec._asdict().items() if k in Fingerprint._fields}
+    fields["layout"] = f"{spec.layout}/{LAYOUT_VERSION}"
     if spec.layout == "vllm" and spec.quantization == "none":
         del fields["quantization"]      # vLLM takes it from the checkpoint's config.json, which is away
     return fields

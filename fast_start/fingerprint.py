@@ -39,6 +39,9 @@ class WeightSpec(NamedTuple):
     engine_version: str = ""
     pipeline_parallel_size: int = 1     # `rank` is the global rank: pp_rank * tensor_parallel_size + tp_rank
     engine_options: str = ""            # layout "vllm": vllm_rules.engine_options (kernel env, KV dtype, PP)
+    data_parallel_size: int = 1         # layout "vllm": MoE layers shard across every DP rank's TP ranks
+    data_parallel_rank: int = 0
+    expert_parallel: str = ""           # layout "vllm": the expert placement ("linear", "round_robin"); "" = none
 
 
 class Fingerprint(NamedTuple):
@@ -54,6 +57,9 @@ class Fingerprint(NamedTuple):
     layout: str          # "<layout>/<LAYOUT_VERSION>", e.g. "hf/2"
     pipeline_parallel_size: int
     engine_options: str
+    data_parallel_size: int
+    data_parallel_rank: int
+    expert_parallel: str
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self._asdict(), sort_keys=True).encode()).hexdigest()
@@ -136,4 +142,5 @@ def _of(spec: WeightSpec, checkpoint: str, architecture: str, quantization: str,
         quantization=quantization, quantization_config=config,
         revision=spec.revision, engine_version=spec.engine_version,
         layout=f"{spec.layout}/{LAYOUT_VERSION}", pipeline_parallel_size=spec.pipeline_parallel_size,
-        engine_options=spec.engine_options)
+        engine_options=spec.engine_options, data_parallel_size=spec.data_parallel_size,
+        data_parallel_rank=spec.data_parallel_rank, expert_parallel=spec.expert_parallel)

@@ -27,7 +27,7 @@ import time
 
 from .errors import FastStartError
 
-VERSION = 3                    # of every frame below; a worker of another version is refused
+VERSION = 4                    # of every frame below; a worker of another version is refused
 MAX_REQUEST = 1 << 20          # what the daemon reads from a client
 MAX_REPLY = 256 << 20          # manifests of large MoE models run to megabytes
 MAX_FDS = 253                  # the kernel's limit per message (SCM_MAX_FD)

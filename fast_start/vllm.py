@@ -230,6 +230,10 @@ def refusal(vllm_config, mode: str) -> str | None:
     if getattr(vllm_config.model_config, "enable_sleep_mode", False):
         return (f"fast-start: enable_sleep_mode frees and restores the engine's own weight memory, and a zero_copy "
                 f"engine's weights are the daemon's, mapped read-only; {fix}")
+    if getattr(vllm_config.parallel_config, "enable_eplb", False):
+        return (f"fast-start: enable_eplb moves experts between ranks as the engine runs, writing their weights "
+                f"in place, and a zero_copy engine's weights are the daemon's, mapped read-only; {fix} (it loads "
+                "from disk: expert load balancing's layouts are not cached)")
     if getattr(vllm_config, "weight_transfer_config", None) is not None:
         return (f"fast-start: weight_transfer_config writes a trainer's weights into the engine's, and a zero_copy "
                 f"engine's weights are the daemon's, mapped read-only; {fix}")
@@ -369,11 +373,12 @@ class FastStartLoader(BaseModelLoader):
 
 def weight_spec(model_config, vllm_config) -> WeightSpec:
     """What this engine process needs, in fast-start's terms; raises CacheMiss where it cannot say."""
-    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+    from vllm.distributed import get_dp_group, get_pp_group, get_tensor_model_parallel_rank
 
     parallel = vllm_config.parallel_config
-    if getattr(parallel, "enable_expert_parallel", False):
-        raise CacheMiss("expert parallelism is not cached", "run without --enable-expert-parallel")
+    if getattr(parallel, "enable_eplb", False):
+        raise CacheMiss("expert load balancing (--enable-eplb) moves experts between ranks as the engine runs; "
+                        "its layouts are not cached", "serve it without fast-start, or without --enable-eplb")
     if model_config.hf_overrides:
         raise CacheMiss("--hf-overrides change the model but not the checkpoint the fingerprint reads",
                         "serve it without --hf-overrides, or write the overrides into the checkpoint's config.json")
@@ -388,8 +393,12 @@ def weight_spec(model_config, vllm_config) -> WeightSpec:
         raise CacheMiss(f"dtype {model_config.dtype} is not cached", f"use one of {', '.join(MODEL)}")
     rank = get_pp_group().rank_in_group * tp + get_tensor_model_parallel_rank()
     options = vllm_rules.engine_options(os.environ, vllm_config.cache_config.cache_dtype, pp)
+    dp = parallel.data_parallel_size
+    experts = vllm_rules.expert_parallel(getattr(parallel, "enable_expert_parallel", False),
+                                         getattr(parallel, "expert_placement_strategy", "linear"), tp, dp)
     return WeightSpec(_local_folder(model_config), tp, rank, dtype, quantization, "vllm",
-                      model_config.revision or "main", vllm.__version__, pp, options)
+                      model_config.revision or "main", vllm.__version__, pp, options,
+                      dp, get_dp_group().rank_in_group if dp > 1 else 0, experts)
 
 
 def _local_folder(model_config) -> str:

@@ -72,6 +72,9 @@ def engine_config(spec: WeightSpec, options: dict):
     args = EngineArgs(model=spec.path, dtype=spec.dtype, quantization=quantization,
                       tensor_parallel_size=spec.tensor_parallel_size,
                       pipeline_parallel_size=spec.pipeline_parallel_size,
+                      data_parallel_size=spec.data_parallel_size,
+                      enable_expert_parallel=bool(spec.expert_parallel),
+                      expert_placement_strategy=spec.expert_parallel or "linear",
                       kv_cache_dtype=options.get("kv_cache_dtype", "auto"), enforce_eager=True,
                       skip_tokenizer_init=True, load_format="auto")
     return args.create_engine_config()
@@ -79,8 +82,9 @@ def engine_config(spec: WeightSpec, options: dict):
 
 @contextlib.contextmanager
 def one_rank(spec: WeightSpec):
-    """Process groups of one, posing as this rank of the TP and PP groups; collectives raise.
-    Torn down afterwards: the worker fills the next model (dense or MoE, other sizes) afresh."""
+    """Process groups of one, posing as this rank of the TP, PP and DP groups (vLLM's MoE layers
+    read the DP rank to place experts); collectives raise. Torn down afterwards: the worker fills
+    the next model (dense or MoE, other sizes) afresh."""
     from vllm.distributed import parallel_state as ps
     store = tempfile.NamedTemporaryFile(prefix="fast-start-pg-", delete=False)
     store.close()
@@ -90,7 +94,8 @@ def one_rank(spec: WeightSpec):
     ps.ensure_model_parallel_initialized(1, 1)
     pp_rank, tp_rank = divmod(spec.rank, spec.tensor_parallel_size)
     for group, rank, size in ((ps.get_tp_group(), tp_rank, spec.tensor_parallel_size),
-                              (ps.get_pp_group(), pp_rank, spec.pipeline_parallel_size)):
+                              (ps.get_pp_group(), pp_rank, spec.pipeline_parallel_size),
+                              (ps.get_dp_group(), spec.data_parallel_rank, spec.data_parallel_size)):
         group.world_size, group.rank_in_group, group.ranks, group.rank = size, rank, list(range(size)), rank
         if size > 1:
             for op in COLLECTIVES:

@@ -65,6 +65,16 @@ def resolve(configured: str, checkpoint_quantization: dict | None) -> str:
     return str(method) if method else "none"
 
 
+PLACEMENTS = ("linear", "round_robin")       # vLLM's --expert-placement-strategy
+
+
+def expert_parallel(enabled: bool, placement: str, tensor_parallel_size: int, data_parallel_size: int) -> str:
+    """The fingerprint's `expert_parallel`: the expert placement where vLLM places whole experts
+    on each rank (expert parallelism asked for, and more than one rank across TP and DP); ""
+    where MoE layers are tensor-parallel (flattened across DP)."""
+    return placement if enabled and tensor_parallel_size * data_parallel_size > 1 else ""
+
+
 def engine_options(environ: dict[str, str], kv_cache_dtype: str, pipeline_parallel_size: int) -> str:
     """The fingerprint's `engine_options`: canonical JSON of what steers vLLM's processed bytes."""
     env = {k: environ[k] for k in KERNEL_ENV if k in environ}

