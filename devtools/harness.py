@@ -141,11 +141,17 @@ class Daemon:
                                          pass_fds=list(listen.values()), preexec_fn=limit)
 
     def wait_ready(self, timeout: float = 120.0) -> "Daemon":
-        try:
-            self.listener.wait_for("READY=1", timeout)
-        except AssertionError:
-            raise AssertionError(f"daemon not ready; log:\n{self.log.read_text()}") from None
-        return self
+        """Until the daemon says READY=1; an AssertionError with its log once it has exited or
+        `timeout` has passed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.listener.wait_for("READY=1", min(1.0, max(0.0, deadline - time.monotonic())))
+                return self
+            except AssertionError:
+                if self.proc.poll() is not None or time.monotonic() >= deadline:
+                    state = f"exited {self.proc.returncode}" if self.proc.poll() is not None else "not ready"
+                    raise AssertionError(f"daemon {state}; log:\n{self.log.read_text()}") from None
 
     def stop(self) -> int:
         if self.proc.poll() is None:
