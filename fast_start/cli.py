@@ -334,10 +334,7 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
             same_folder = "path" in m and Path(m["path"]).resolve() == model.resolve()
             if not same_folder and stored.checkpoint != headers:
                 continue
-            spec = WeightSpec(str(model), stored.tensor_parallel_size, stored.rank, stored.dtype, stored.quantization,
-                              stored.layout.split("/")[0], stored.revision, stored.engine_version,
-                              stored.pipeline_parallel_size, stored.engine_options, stored.data_parallel_size,
-                              stored.data_parallel_rank, stored.expert_parallel)
+            spec = stored.spec(str(model))
             fields = list(stored.diff(fingerprint(spec)))
             changed = watch.differs(m["files"], files)
             if changed:      # the fill read other files, or these changed since

@@ -73,6 +73,11 @@ class Fingerprint(NamedTuple):
     def to_dict(self) -> dict:
         return self._asdict()
 
+    def spec(self, path: str) -> WeightSpec:
+        """The WeightSpec of this fingerprint's fields, for the checkpoint at `path`."""
+        fields = {k: getattr(self, k) for k in WeightSpec._fields if k in self._fields}
+        return WeightSpec(path=path, **{**fields, "layout": self.layout.split("/")[0]})
+
     @classmethod
     def from_dict(cls, d: dict) -> "Fingerprint":
         names = set(cls._fields)

@@ -98,7 +98,7 @@ def _wrap_startup_check(before_32: bool) -> None:
       the model's memory (`_wrap_runners`). Should the load miss and fall back to disk, the
       check is made again without them (`_loading`).
     - A copy engine whose daemon drops its cache (`on_release = "drop"`) takes that memory over:
-      the snapshot is taken as if the daemon did not hold those bytes (`_hand_over`), on every
+      the snapshot is taken as if the daemon did not hold those bytes (`_count_as_free`), on every
       version. Otherwise the check would count them as used, and the profiler, seeing another
       process's memory go away while the engine loads, would take it for memory the engine
       freed and size the KV cache larger by the model's bytes. Should the load miss, the daemon
@@ -122,7 +122,7 @@ def _wrap_startup_check(before_32: bool) -> None:
     def request(snapshot, cache_config, *args, **kwargs):
         how, held = _handover(_starting[-1].vllm_config, before_32) if _starting else ("", 0)
         if how == "drop":
-            _hand_over(snapshot, held)
+            _count_as_free(snapshot, held)
             log.info("fast-start: the daemon hands the %.2f GiB it holds for this rank over to its copy "
                      "(on_release = \"drop\"): vLLM's memory accounting counts them as free at start-up", held / 2**30)
         elif how == "map" and before_32:
@@ -161,7 +161,7 @@ def _handover(vllm_config, zero_copy: bool = True) -> tuple[str, int]:
     return "", 0
 
 
-def _hand_over(snapshot, held: int) -> None:
+def _count_as_free(snapshot, held: int) -> None:
     """vLLM's start-up memory snapshot, in place, as it would read without the daemon's `held` bytes."""
     snapshot.free_memory += held
     snapshot.cuda_memory -= held

@@ -237,7 +237,7 @@ def test_a_copy_engine_whose_daemon_drops_takes_its_bytes_over_in_vllms_start_up
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.mem_utils import MemorySnapshot
     from vllm.v1.worker.utils import request_memory
-    from fast_start.vllm import _hand_over, _handover
+    from fast_start.vllm import _count_as_free, _handover
     from fast_start.vllm_fill import one_rank
     run = tmp_path / "run"
     d = daemons(write_config(tmp_path / "drop.toml", run, [vllm_model("llama", checkpoints["llama"], [0])],
@@ -265,7 +265,7 @@ def test_a_copy_engine_whose_daemon_drops_takes_its_bytes_over_in_vllms_start_up
                               cuda_memory=held, torch_memory=0, non_torch_memory=held)
     with pytest.raises(ValueError, match="Free memory on device"):       # the daemon's bytes counted as used
         request_memory(snapshot, cache_config)
-    _hand_over(snapshot, held)
+    _count_as_free(snapshot, held)
     assert (snapshot.free_memory, snapshot.cuda_memory, snapshot.non_torch_memory) == (total, 0, 0)
     assert request_memory(snapshot, cache_config) >= total * 0.95       # vLLM's own check passes
 
