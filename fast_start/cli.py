@@ -11,6 +11,7 @@ which compares tensor bytes, hands that to a fill worker.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -25,7 +26,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__, files, protocol, vllm_rules, watch
+from . import __version__, files, protocol, watch
 from . import config as configs
 from .config import ConfigError
 from .errors import CheckpointError, FastStartError, NoDaemon, Refused
@@ -270,15 +271,32 @@ def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint 
                     engine_version: str = typer.Option("", "--engine-version"),
                     pp: int = typer.Option(1, "--pp", help="pipeline stages (layout vllm); --rank is the global rank"),
                     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="layout vllm"),
+                    dp: int = typer.Option(1, "--dp", help="data-parallel ranks (layout vllm)"),
+                    dp_rank: int = typer.Option(0, "--dp-rank", help="this engine's DP rank"),
+                    ep: bool = typer.Option(False, "--ep", help="the engine's --enable-expert-parallel (layout vllm)"),
+                    placement: str = typer.Option("linear", "--expert-placement",
+                                                  help="the engine's --expert-placement-strategy"),
                     as_json: bool = JSON):
     """Compute a checkpoint's fingerprint without a daemon (layout vllm: with this shell's VLLM_* kernel variables).
 
     The options obey the config's rules for a [[model]] (and, for layout hf, the TP size must divide
     the model's heads and widths, as the fill requires): a digest is only printed for a rank a
-    daemon could serve."""
-    check_spec_options(model, tp, rank, dtype, quantization, layout, engine_version, pp)
-    options = vllm_rules.engine_options(dict(os.environ), kv_cache_dtype, pp) if layout == "vllm" else ""
-    fp = fingerprint(WeightSpec(str(model), tp, rank, dtype, quantization, layout, revision, engine_version, pp, options))
+    daemon could serve. --rank counts TP × PP ranks within --dp-rank's engine."""
+    m = configs.ModelConfig("fingerprint", str(model.absolute()), (0,), tp, 0, dtype, quantization, layout, revision,
+                            engine_version, pipeline_parallel_size=pp, kv_cache_dtype=kv_cache_dtype,
+                            data_parallel_size=dp, enable_expert_parallel=ep, expert_placement_strategy=placement)
+    configs.check_model(m, "fingerprint:", check_paths=True, names=FLAGS)
+    ranks = tp * pp
+    if not 0 <= rank < ranks:
+        raise ConfigError(f"fingerprint: --rank {rank} is outside the {ranks} rank(s) of --tp {tp} --pp {pp}",
+                          f"use a rank from 0 to {ranks - 1}")
+    if not 0 <= dp_rank < dp:
+        raise ConfigError(f"fingerprint: --dp-rank {dp_rank} is outside the {dp} DP rank(s) of --dp {dp}",
+                          f"use a DP rank from 0 to {dp - 1}")
+    if layout == "hf":          # vLLM's layout: vLLM judges its own TP sizes when it fills
+        _check_tp(model, tp, "fingerprint: --tp")
+    m = dataclasses.replace(m, rank_offset=dp_rank * ranks + rank)
+    fp = fingerprint(m.spec(0))
     data = {"digest": fp.digest(), "fingerprint": fp.to_dict()}
 
     emit(data, as_json, lambda d: _field_table(f"fingerprint {d['digest'][:16]}", d["fingerprint"]))
@@ -286,21 +304,9 @@ def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint 
 
 # The fingerprint command's options, by the config key each stands for.
 FLAGS = {"tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp", "dtype": "--dtype", "layout": "--layout",
-         "quantization": "--quantization", "engine_version": "--engine-version", "path": "--model"}
-
-
-def check_spec_options(model: Path, tp: int, rank: int, dtype: str, quantization: str, layout: str,
-                       engine_version: str, pp: int) -> None:
-    """ConfigError (exit 2) for options no daemon could serve, by the rules of the config file."""
-    configs.check_model(configs.ModelConfig("fingerprint", str(model.absolute()), (0,), tp, 0, dtype, quantization,
-                                            layout, engine_version=engine_version, pipeline_parallel_size=pp),
-                        "fingerprint:", check_paths=True, names=FLAGS)
-    ranks = tp * pp
-    if not 0 <= rank < ranks:
-        raise ConfigError(f"fingerprint: --rank {rank} is outside the {ranks} rank(s) of --tp {tp} --pp {pp}",
-                          f"use a rank from 0 to {ranks - 1}")
-    if layout == "hf":          # vLLM's layout: vLLM judges its own TP sizes when it fills
-        _check_tp(model, tp, "fingerprint: --tp")
+         "quantization": "--quantization", "engine_version": "--engine-version", "path": "--model",
+         "data_parallel_size": "--dp", "enable_expert_parallel": "--ep", "expert_placement_strategy": "--expert-placement",
+         "kv_cache_dtype": "--kv-cache-dtype", "revision": "--revision"}
 
 
 def _check_tp(folder: Path, tp: int, name: str) -> None:

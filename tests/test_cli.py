@@ -110,7 +110,10 @@ def test_fingerprint_validates_its_options_as_the_config_does(small):
                         (("--quantization", "int2"), "--quantization is 'int2'"),
                         (("--pp", 2, "--rank", 1), "--pp is 2 with layout 'hf'"),
                         (("--tp", 0), "--tp is 0"),
-                        (("--engine-version", "auto"), "--engine-version is \"auto\"")):
+                        (("--engine-version", "auto"), "--engine-version is \"auto\""),
+                        (("--dp", 2), "--dp is 2 with layout 'hf'"),
+                        (("--layout", "vllm", "--dp", 2, "--dp-rank", 2), "--dp-rank 2 is outside the 2 DP rank(s)"),
+                        (("--layout", "vllm", "--ep", "--expert-placement", "random"), "--expert-placement is 'random'")):
         r = cli("fingerprint", "--model", small, *args)
         assert r.exit_code == 2 and words in r.stderr, (args, r.stderr)
         r = cli("fingerprint", "--model", small, *args, "--json")
