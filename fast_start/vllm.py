@@ -360,10 +360,12 @@ class FastStartLoader(BaseModelLoader):
         nbytes = sum(t.nbytes for t in weights.tensors.values())
         # The CPU time says whether a slow load computed slowly or waited (for the GPU, the
         # daemon, the CPU itself where the machine is oversubscribed).
-        log.info("fast-start: %d tensors (%.1f MiB, %s) for rank %d of %d from the cache (%s): fetch %.1f ms, "
+        rank = f"rank {spec.rank} of {spec.tensor_parallel_size * spec.pipeline_parallel_size}"
+        if spec.data_parallel_size > 1:
+            rank += f" (DP rank {spec.data_parallel_rank} of {spec.data_parallel_size})"
+        log.info("fast-start: %d tensors (%.1f MiB, %s) for %s from the cache (%s): fetch %.1f ms, "
                  "model built on %s %.1f ms, installed %.1f ms (this thread's CPU time: %.1f of %.1f ms)",
-                 len(weights), nbytes / 2**20, weights.engine.get("stage", "loaded"),
-                 spec.rank, spec.tensor_parallel_size * spec.pipeline_parallel_size, o.mode, fetched,
+                 len(weights), nbytes / 2**20, weights.engine.get("stage", "loaded"), rank, o.mode, fetched,
                  "meta" if on_meta else "the device", built, prepared, cpu, fetched + built + prepared)
         model.fast_start_source = weights.source
         if o.mode == "zero_copy":       # read by _count_mapped_weights on vLLM < 0.32

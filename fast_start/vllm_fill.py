@@ -28,6 +28,7 @@ import json
 import os
 import tempfile
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -81,31 +82,58 @@ def engine_config(spec: WeightSpec, options: dict):
 
 
 @contextlib.contextmanager
-def one_rank(spec: WeightSpec):
-    """Process groups of one, posing as this rank of the TP, PP and DP groups (vLLM's MoE layers
-    read the DP rank to place experts); collectives raise. Torn down afterwards: the worker fills
-    the next model (dense or MoE, other sizes) afresh."""
+def one_rank(spec: WeightSpec, parallel):
+    """Process groups of one, posing as this rank of the TP, PP, DP and EP groups (vLLM's MoE
+    layers read the DP rank to place experts); collectives raise. vLLM's own DP setup, which
+    would wait for the other DP ranks, is skipped: `parallel` is the engine config's. Torn down
+    afterwards: the worker fills the next model (dense or MoE, other sizes) afresh."""
     from vllm.distributed import parallel_state as ps
     store = tempfile.NamedTemporaryFile(prefix="fast-start-pg-", delete=False)
     store.close()
     os.unlink(store.name)
-    ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                    distributed_init_method=f"file://{store.name}")
-    ps.ensure_model_parallel_initialized(1, 1)
+    configured, parallel.data_parallel_size = parallel.data_parallel_size, 1
+    try:
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                        distributed_init_method=f"file://{store.name}")
+        ps.ensure_model_parallel_initialized(1, 1)
+    finally:
+        parallel.data_parallel_size = configured
     pp_rank, tp_rank = divmod(spec.rank, spec.tensor_parallel_size)
-    for group, rank, size in ((ps.get_tp_group(), tp_rank, spec.tensor_parallel_size),
+    tp, dp = spec.tensor_parallel_size, spec.data_parallel_size
+    ep = getattr(ps, "_EP", None)           # vLLM makes it for MoE models only
+    for group, rank, size in ((ps.get_tp_group(), tp_rank, tp),
                               (ps.get_pp_group(), pp_rank, spec.pipeline_parallel_size),
-                              (ps.get_dp_group(), spec.data_parallel_rank, spec.data_parallel_size)):
+                              (ps.get_dp_group(), spec.data_parallel_rank, dp),
+                              (ep, spec.data_parallel_rank * tp + tp_rank, dp * tp)):
+        if group is None:
+            continue
         group.world_size, group.rank_in_group, group.ranks, group.rank = size, rank, list(range(size)), rank
         if size > 1:
             for op in COLLECTIVES:
                 if hasattr(group, op):
                     setattr(group, op, _refuse(op, spec))
+    if ep is not None and dp > 1:       # MoE layers across DP ranks size their dispatch by its all-to-all
+        ep.device_communicator = _posed_communicator(spec, ep)
     try:
         yield
     finally:
+        if ep is not None:
+            ep.device_communicator = None
         ps.destroy_model_parallel()
         ps.destroy_distributed_environment()
+
+
+def _posed_communicator(spec: WeightSpec, ep_group):
+    """A device communicator whose all-to-all manager has this rank's place in the EP group and
+    refuses to communicate: what MoE layers read while they choose their kernels."""
+    from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase
+    manager = object.__new__(All2AllManagerBase)
+    manager.rank, manager.world_size = ep_group.rank_in_group, ep_group.world_size
+    manager.dp_rank, manager.dp_world_size = spec.data_parallel_rank, spec.data_parallel_size
+    manager.internode, manager.support_fault_tolerance = False, False
+    for op in ("get_handle", "dispatch", "dispatch_router_logits", "combine", "set_num_sms", "max_sms_used"):
+        setattr(manager, op, _refuse(op, spec))
+    return types.SimpleNamespace(all2all_manager=manager)
 
 
 def _refuse(op: str, spec: WeightSpec):
@@ -150,7 +178,7 @@ def _fill(spec: WeightSpec, want, config, device: str, stage: str, progress, chu
 
     model_config, target = config.model_config, torch.device(device)
     attention: list[dict] = []
-    with set_current_vllm_config(config), one_rank(spec):
+    with set_current_vllm_config(config), one_rank(spec, config.parallel_config):
         with set_default_torch_dtype(model_config.dtype), target, vllm_attention.recording(attention):
             model = loader_utils.initialize_model(vllm_config=config, model_config=model_config)
         plan = vllm_state.kernel_plan(model)

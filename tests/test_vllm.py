@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 import urllib.request
 from pathlib import Path
 
@@ -134,7 +135,7 @@ def cache(work, checkpoints, fp8_checkpoints, reference):
     """Two daemons, each standing in for one node of a two-node engine (GPU slot k serves rank
     rank_offset = k of every two-rank model), filled by vLLM itself: the bf16 models, the
     block-FP8 ones, online per-channel FP8, Llama in two pipeline stages, and Qwen3-MoE with
-    expert parallelism over two ranks in both placements."""
+    expert parallelism over two ranks in both placements, and over two data-parallel ranks."""
     run = work / "run"
     models = [(f"{name}-tp{tp}", checkpoints[name], tp, {}) for name, tp in CACHED]
     models += [(f"{name}-fp8-tp{tp}", fp8_checkpoints[name], tp, {}) for name, tp in FP8_CACHED]
@@ -142,10 +143,13 @@ def cache(work, checkpoints, fp8_checkpoints, reference):
                ("llama-pp2", checkpoints["llama"], 1, {"pipeline_parallel_size": 2})]
     models += [(f"qwen3-moe-ep2-{p}", checkpoints["qwen3-moe"], 2,
                 {"enable_expert_parallel": True, "expert_placement_strategy": p}) for p in PLACEMENTS]
+    models += [("qwen3-moe-dp2-ep", checkpoints["qwen3-moe"], 1,
+                {"data_parallel_size": 2, "enable_expert_parallel": True})]
     daemons = []
     for node in (0, 1):
         entries = [vllm_model(name, path, [node], tensor_parallel_size=tp, rank_offset=node, **more)
-                   for name, path, tp, more in models if node < tp * more.get("pipeline_parallel_size", 1)]
+                   for name, path, tp, more in models
+                   if node < tp * more.get("pipeline_parallel_size", 1) * more.get("data_parallel_size", 1)]
         config = write_config(work / f"node{node}.toml", run, entries, arena_chunk="256KiB")    # many arenas
         daemons.append(Daemon(work, config, node, env=PLUGINS).wait_ready())
     yield run
@@ -247,7 +251,8 @@ def test_a_copy_engine_whose_daemon_drops_takes_its_bytes_over_in_vllms_start_up
                                model_loader_extra_config={"mode": mode, "socket_dir": str(run)}, max_model_len=64,
                                skip_tokenizer_init=True).create_engine_config() for mode in ("copy", "zero_copy")}
     # As in vLLM's worker: its config current, its process groups (of one) up.
-    with set_current_vllm_config(config["copy"]), one_rank(fast_start.WeightSpec(str(checkpoints["llama"]))):
+    spec = fast_start.WeightSpec(str(checkpoints["llama"]))
+    with set_current_vllm_config(config["copy"]), one_rank(spec, config["copy"].parallel_config):
         held = status(d)["models"][0]["bytes"]
         assert held > 0 and _handover(config["copy"]) == ("drop", held)
         assert _handover(config["zero_copy"]) == ("map", held)
@@ -290,6 +295,59 @@ def test_expert_parallel_ranks_get_the_default_loaders_experts_from_the_cache(wo
     # to linear, in the fill as in the engines.
     placed = "linear" if "Falling back to linear expert placement" in log else placement
     assert f"Expert placement strategy: {placed}" in log
+
+
+def run_data_parallel(work: Path, tag: str, model: Path, load_format: str = "auto", extra: dict | None = None,
+                      engine: dict | None = None) -> list[dict]:
+    """One engine per DP rank, started together as vLLM's offline data parallelism does (each
+    process its rank from VLLM_DP_*; they meet at the master port): each rank's report."""
+    port = _free_port()
+    procs = []
+    for rank in (0, 1):
+        out, log = work / f"{tag}-dp{rank}.json", work / f"{tag}-dp{rank}.log"
+        args = {"model": str(model), "tp": 1, "load_format": load_format, "extra": extra or {}, "dtype": "bfloat16",
+                "out": str(out), "engine": engine or {}}
+        env = {**os.environ, **ENV, **PLUGINS, "VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": str(rank),
+               "VLLM_DP_SIZE": "2", "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(port)}
+        with open(log, "w") as f:
+            procs.append((subprocess.Popen([sys.executable, str(ENGINE), json.dumps(args)], stdout=f,
+                                           stderr=subprocess.STDOUT, env=env), out, log))
+    reports = []
+    for proc, out, log in procs:
+        rc = proc.wait(600)
+        assert rc == 0, f"DP engine exited {rc}; log:\n{log.read_text()[-6000:]}"
+        reports.append({**json.loads(out.read_text()), "log": log.read_text()})
+    return reports
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_data_parallel_expert_ranks_get_the_default_loaders_experts_from_the_cache(work, checkpoints, cache):
+    """Qwen3-MoE over two DP ranks with expert parallelism (TP 1): each DP rank is an engine of
+    its own holding half the experts. The fill poses as that rank of the DP and EP groups (its
+    MoE layers choose their all-to-all by the EP group's size); the ranks' tokens, computed
+    together across both processes, are the default loader's."""
+    engine = {"enable_expert_parallel": True}
+    want = run_data_parallel(work, "default-moe", checkpoints["qwen3-moe"], engine=engine)
+    got = run_data_parallel(work, "fs-moe", checkpoints["qwen3-moe"], "fast_start",
+                            {"socket_dir": str(cache), "fallback": False}, engine)
+    for g, w in zip(got, want):
+        assert_same_weights(g, w)
+        assert [r["source"] for r in g["ranks"]] == ["cache"]
+    experts = [{n: d for n, d in g["ranks"][0]["as_loaded"].items() if ".experts." in n} for g in got]
+    assert experts[0] and experts[0].keys() == experts[1].keys() and experts[0] != experts[1]
+    assert "for rank 0 of 1 (DP rank 1 of 2) from the cache" in got[1]["log"]
+    # `fast-start fingerprint` computes DP rank 1's fingerprint without a daemon, as GPU 1's daemon holds it.
+    cli = subprocess.run([sys.executable, "-m", "fast_start.cli", "fingerprint", "--model", str(checkpoints["qwen3-moe"]),
+                          "--layout", "vllm", "--engine-version", vllm.__version__, "--dp", "2", "--dp-rank", "1",
+                          "--ep", "--json"], capture_output=True, text=True, env={**os.environ, **PLUGINS}, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    held = ask(types.SimpleNamespace(socket=cache / "gpu1.sock"), protocol.Fingerprints())["models"]
+    assert json.loads(cli.stdout)["digest"] == {m["name"]: m["digest"] for m in held}["qwen3-moe-dp2-ep"]
 
 
 def test_a_layout_other_than_the_fills_misses_naming_the_field_and_loads_from_disk(work, checkpoints, cache):
