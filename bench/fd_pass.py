@@ -8,7 +8,7 @@ child reads the message only once it has arrived, so its `recvmsg` is the kernel
 the fds alone, then imports and maps each (`cudadrv`), sets the access and closes the fds.
 Medians of three fresh children per case, milliseconds; JSON on stdout.
 
-    python -m bench.fd_pass [memfd] [vmm]
+    python -m bench.fd_pass [memfd[:SIZE]] [vmm[:SIZE]]      (SIZE of each arena, default 2MiB)
 """
 from __future__ import annotations
 
@@ -77,16 +77,18 @@ def once(kind: str, fds: list[int], size: int) -> dict:
 
 
 def main() -> None:
-    size = 2 << 20
+    from fast_start.config import parse_bytes
     results = {}
-    for kind in sys.argv[1:] or ("memfd", "vmm"):
-        for n in (1, 8, 36, 128):
+    for case in sys.argv[1:] or ("memfd", "vmm"):
+        kind, _, size = case.partition(":")
+        size = parse_bytes(size or "2MiB")
+        for n in (1, 8, 36, 128) if size <= 64 << 20 else (1, 8, 36):
             fds = arenas(kind, n, size)
             runs = [once(kind, fds, size) for _ in range(3)]
-            results[f"{kind}-{n}"] = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
+            results[f"{case}-{n}"] = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
             for fd in fds:
                 os.close(fd)
-            print(kind, n, results[f"{kind}-{n}"], file=sys.stderr, flush=True)
+            print(kind, n, results[f"{case}-{n}"], file=sys.stderr, flush=True)
     print(json.dumps(results, indent=1))
 
 
