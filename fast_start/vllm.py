@@ -150,8 +150,7 @@ def _handover(vllm_config, zero_copy: bool = True) -> tuple[str, int]:
         options = Options.parse(load.model_loader_extra_config)
         if options.mode == "zero_copy" and not zero_copy:
             return "", 0
-        spec = weight_spec(vllm_config.model_config, vllm_config)
-        held, on_release = cached(spec, _device(vllm_config), options.socket_dir, options.connect_timeout_s)
+        held, on_release = _held(vllm_config, options)
     except (FastStartError, ValueError):
         return "", 0
     if held and options.mode == "zero_copy":
@@ -159,6 +158,33 @@ def _handover(vllm_config, zero_copy: bool = True) -> tuple[str, int]:
     if held and on_release == "drop":
         return "drop", held
     return "", 0
+
+
+def _held(vllm_config, options: "Options") -> tuple[int, str]:
+    """(bytes, on_release) the daemon holds for this rank's models: the target's (a miss raises)
+    and a speculative draft's where it is cached too."""
+    (target, parallel), *drafts = _models(vllm_config)
+    device = _device(vllm_config)
+    held, on_release = cached(weight_spec(target, vllm_config, parallel), device, options.socket_dir,
+                              options.connect_timeout_s)
+    for model_config, parallel in drafts:
+        try:
+            held += cached(weight_spec(model_config, vllm_config, parallel), device, options.socket_dir,
+                           options.connect_timeout_s)[0]
+        except FastStartError:
+            pass
+    return held, on_release
+
+
+def _models(vllm_config):
+    """(model config, parallel config) of each model this engine loads with its load format: the
+    target, then a speculative draft model's (vLLM's draft loader takes the target's load config)."""
+    out = [(vllm_config.model_config, vllm_config.parallel_config)]
+    speculative = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(speculative, "draft_model_config", None)
+    if draft is not None and draft is not vllm_config.model_config:
+        out.append((draft, speculative.draft_parallel_config))
+    return out
 
 
 def _count_as_free(snapshot, held: int) -> None:
@@ -199,7 +225,9 @@ def _loading(load_model, count: bool):
                              f"(see the line above): {_excluded['free'] / 2**30:.2f} GiB was free, "
                              f"{_excluded['requested'] / 2**30:.2f} GiB requested; fix the miss, or lower "
                              "gpu_memory_utilization")
-        mapped = getattr(self.get_model(), "fast_start_mapped_bytes", 0) if ours and count else 0
+        drafter = getattr(getattr(self, "drafter", None), "model", None)     # a speculative engine's draft
+        mapped = sum(getattr(m, "fast_start_mapped_bytes", 0) for m in (self.get_model(), drafter)) \
+            if ours and count else 0
         if mapped:
             self.model_memory_usage += mapped
             log.info("fast-start: %.2f GiB mapped from the daemon counted as the model's memory", mapped / 2**30)
@@ -300,9 +328,7 @@ class FastStartLoader(BaseModelLoader):
         if self.options.mode != "zero_copy":
             return 0
         try:
-            spec = weight_spec(vllm_config.model_config, vllm_config)
-            device = _device(vllm_config)
-            return cached(spec, device, self.options.socket_dir, self.options.connect_timeout_s)[0]
+            return _held(vllm_config, self.options)[0]
         except FastStartError:
             return 0
 
@@ -373,15 +399,19 @@ class FastStartLoader(BaseModelLoader):
         return model.eval()
 
 
-def weight_spec(model_config, vllm_config) -> WeightSpec:
-    """What this engine process needs, in fast-start's terms; raises CacheMiss where it cannot say."""
-    from vllm.distributed import get_dp_group, get_pp_group, get_tensor_model_parallel_rank
+def weight_spec(model_config, vllm_config, parallel=None) -> WeightSpec:
+    """What this engine process needs, in fast-start's terms; raises CacheMiss where it cannot say.
+    `parallel`: the model's parallel config where it is not the engine's (a speculative draft's)."""
+    from vllm.distributed import get_dp_group, get_pp_group, get_tensor_model_parallel_rank, get_tp_group
 
-    parallel = vllm_config.parallel_config
+    parallel = parallel or vllm_config.parallel_config
     if getattr(parallel, "enable_eplb", False):
         raise CacheMiss("expert load balancing (--enable-eplb) moves experts between ranks as the engine runs; "
                         "its layouts are not cached", "serve it without fast-start, or without --enable-eplb")
-    if model_config.hf_overrides:
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is not None and model_config is speculative.draft_model_config:
+        _check_draft(model_config, speculative.method)
+    elif model_config.hf_overrides:
         raise CacheMiss("--hf-overrides change the model but not the checkpoint the fingerprint reads",
                         "serve it without --hf-overrides, or write the overrides into the checkpoint's config.json")
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
@@ -393,6 +423,9 @@ def weight_spec(model_config, vllm_config) -> WeightSpec:
     dtype = next((name for name in MODEL if torch_dtype(name) == model_config.dtype), None)
     if dtype is None:
         raise CacheMiss(f"dtype {model_config.dtype} is not cached", f"use one of {', '.join(MODEL)}")
+    if get_tp_group().world_size != tp:
+        raise CacheMiss(f"this model's TP size {tp} is not the engine's ({get_tp_group().world_size}): a draft's "
+                        "own TP size is not cached", "run the draft at the target's TP size")
     rank = get_pp_group().rank_in_group * tp + get_tensor_model_parallel_rank()
     options = vllm_rules.engine_options(os.environ, vllm_config.cache_config.cache_dtype, pp)
     dp = parallel.data_parallel_size
@@ -401,6 +434,25 @@ def weight_spec(model_config, vllm_config) -> WeightSpec:
     return WeightSpec(_local_folder(model_config), tp, rank, dtype, quantization, "vllm",
                       model_config.revision or "main", vllm.__version__, pp, options,
                       dp, get_dp_group().rank_in_group if dp > 1 else 0, experts)
+
+
+def _check_draft(model_config, method: str) -> None:
+    """CacheMiss for a speculative draft that vLLM builds as something other than its checkpoint's
+    model: MTP and EAGLE heads, whose config vLLM rewrites (architecture, model type) and whose
+    weights it ties to the target's. A draft model of its own (`draft_model`) is that model, cached
+    under its own checkpoint's fingerprint."""
+    import json
+    folder = Path(_local_folder(model_config))
+    try:
+        written = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        written = {}
+    built = model_config.hf_config
+    if written.get("architectures") != list(getattr(built, "architectures", None) or []) \
+            or written.get("model_type") != getattr(built, "model_type", None):
+        raise CacheMiss(f"the {method} draft is vLLM's {built.architectures} made of {folder} "
+                        f"({written.get('architectures')}), which the cache does not hold",
+                        "nothing to fix: the draft loads from disk, the target from the cache")
 
 
 def _local_folder(model_config) -> str:

@@ -53,6 +53,7 @@ SHAPES = {
 SHAPES["gemma"] = dataclasses.replace(SHAPES["qwen3"], architecture="LlamaForCausalLM")
 GEMMA = {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_activation": "gelu_pytorch_tanh"}
 CACHED = [("llama", 1), ("gemma", 1), ("qwen3-moe", 1)]     # TP 2: the block-FP8 tests
+DRAFT = dataclasses.replace(SHAPES["llama"], num_layers=1, intermediate_size=256)    # speculates for "llama"
 
 # vLLM's CPU build has no block-FP8 kernel without AMX: tests/plugins holds a pure-torch one,
 # registered as a vLLM plugin, which both the engine and the daemon's fill worker load.
@@ -116,7 +117,25 @@ def checkpoints(work):
     paths = {name: synth.write_checkpoint(work / name, shape, seed=3) for name, shape in SHAPES.items()}
     config = json.loads((paths["gemma"] / "config.json").read_text())
     (paths["gemma"] / "config.json").write_text(json.dumps({**config, **GEMMA}))
+    paths["draft"] = synth.write_checkpoint(work / "draft", DRAFT, seed=4)
+    paths["eagle"] = eagle_head(paths["draft"], work / "eagle")
     return paths
+
+
+def eagle_head(draft: Path, folder: Path) -> Path:
+    """An EAGLE-1 head for Llama made of a one-layer Llama: its layer without the first norm, no
+    embeddings, norm or head (vLLM shares the target's), and `fc` over [embedding, hidden state]."""
+    from safetensors.torch import load_file, save_file
+    folder.mkdir()
+    tensors = load_file(draft / "model.safetensors")
+    head = {n.removeprefix("model."): t for n, t in tensors.items() if n.startswith("model.layers.")
+            and "input_layernorm" not in n}
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    head["fc.weight"] = (torch.randn(hidden, 2 * hidden, generator=torch.Generator().manual_seed(9)) * 0.02
+                         ).to(torch.bfloat16)
+    save_file(head, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text((draft / "config.json").read_text())
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +154,8 @@ def cache(work, checkpoints, fp8_checkpoints, reference):
     """Two daemons, each standing in for one node of a two-node engine (GPU slot k serves rank
     rank_offset = k of every two-rank model), filled by vLLM itself: the bf16 models, the
     block-FP8 ones, online per-channel FP8, Llama in two pipeline stages, and Qwen3-MoE with
-    expert parallelism over two ranks in both placements, and over two data-parallel ranks."""
+    expert parallelism over two ranks in both placements, and over two data-parallel ranks; a
+    draft model for speculative decoding."""
     run = work / "run"
     models = [(f"{name}-tp{tp}", checkpoints[name], tp, {}) for name, tp in CACHED]
     models += [(f"{name}-fp8-tp{tp}", fp8_checkpoints[name], tp, {}) for name, tp in FP8_CACHED]
@@ -144,7 +164,8 @@ def cache(work, checkpoints, fp8_checkpoints, reference):
     models += [(f"qwen3-moe-ep2-{p}", checkpoints["qwen3-moe"], 2,
                 {"enable_expert_parallel": True, "expert_placement_strategy": p}) for p in PLACEMENTS]
     models += [("qwen3-moe-dp2-ep", checkpoints["qwen3-moe"], 1,
-                {"data_parallel_size": 2, "enable_expert_parallel": True})]
+                {"data_parallel_size": 2, "enable_expert_parallel": True}),
+               ("llama-draft", checkpoints["draft"], 1, {})]
     daemons = []
     for node in (0, 1):
         entries = [vllm_model(name, path, [node], tensor_parallel_size=tp, rank_offset=node, **more)
@@ -622,6 +643,43 @@ def test_a_meta_builds_recorded_attributes_are_made_again_and_a_bad_record_is_a_
         assert not hasattr(fresh[0], "k_scale"), "a refused record must leave the model as it was"
     with pytest.raises(CacheMiss, match=r"attribute 2.k_scale of a module this engine's model lacks"):
         complete(modules, {"attrs": {"2.k_scale": attrs["0.k_scale"]}}, torch.device("cpu"))
+
+
+def speculating(method: str, draft: Path) -> dict:
+    return {"speculative_config": {"method": method, "model": str(draft), "num_speculative_tokens": 2}}
+
+
+def test_a_speculative_engines_draft_model_is_served_from_its_own_cache_entry(work, checkpoints, cache):
+    """Speculative decoding with a draft model (`draft_model`): vLLM's draft loader calls the
+    engine's load format with the draft's config, so the draft is fetched by its own checkpoint's
+    fingerprint (cached as a model of its own), never the target's. Target and draft equal the
+    default loader's, and so do the tokens."""
+    engine = speculating("draft_model", checkpoints["draft"])
+    want, _ = run_engine(work / "default-llama-draft.log", checkpoints["llama"], engine=engine)
+    got, log = run_engine(work / "fs-llama-draft.log", checkpoints["llama"], 1, "fast_start",
+                          {"socket_dir": str(cache), "fallback": False}, engine=engine)
+    assert_same_weights(got, want)
+    for g, w in zip(got["draft"], want["draft"]):
+        assert g["as_loaded"] == w["as_loaded"] and g["final"] == w["final"] and g["attrs"] == w["attrs"]
+    assert [r["source"] for r in got["ranks"] + got["draft"]] == ["cache", "cache"]
+    assert len(re.findall(r"fast-start: \d+ tensors .* from the cache", log)) == 2
+
+
+def test_an_eagle_head_loads_from_disk_with_one_line_and_the_target_from_the_cache(work, checkpoints, cache):
+    """An EAGLE head is vLLM's rewrite of its checkpoint (another architecture, the target's
+    embeddings and head shared into it), which the cache does not hold: it misses with one line
+    naming both architectures and loads from disk, while the target comes from the cache."""
+    engine = speculating("eagle", checkpoints["eagle"])
+    want, _ = run_engine(work / "default-llama-eagle.log", checkpoints["llama"], engine=engine)
+    got, log = run_engine(work / "fs-llama-eagle.log", checkpoints["llama"], 1, "fast_start",
+                          {"socket_dir": str(cache)}, engine=engine)
+    assert_same_weights(got, want)
+    # As loaded, the head's embedding is still unwritten memory (the checkpoint has none): after
+    # loading it is the target's, shared.
+    assert got["draft"][0]["final"] == want["draft"][0]["final"]
+    assert [r["source"] for r in got["ranks"] + got["draft"]] == ["cache", None]
+    misses = [line for line in log.splitlines() if "fast-start: cache miss" in line]
+    assert len(misses) == 1 and "the eagle draft is vLLM's ['EagleLlamaForCausalLM'] made of" in misses[0]
 
 
 def test_pipeline_stages_are_filled_by_vllm_rank_by_rank(checkpoints, cache):

@@ -9,7 +9,8 @@ parameters that, as loaded and at the end, lie outside every fast-start arena ma
 process (their data pointers against the `memfd:fast-start:` mappings in /proc/self/maps); where the
 fast-start loader set it, `fast_start_source`; the external weight bytes the loader announces;
 and the greedy tokens for fixed prompts. `"engine"`: more of `LLM`'s arguments (e.g.
-`enable_expert_parallel`). With `"reload": true`, vLLM's `reload_weights` then
+`enable_expert_parallel`; with a `speculative_config` the draft model is reported too, as
+`draft`). With `"reload": true`, vLLM's `reload_weights` then
 runs and the tokens and the report are taken again (`reloaded`).
 """
 from __future__ import annotations
@@ -108,10 +109,16 @@ def report(config, model: torch.nn.Module) -> dict:
             "source": getattr(model, "fast_start_source", None), "external_bytes": external}
 
 
+def draft_report(worker, config) -> dict:
+    """`report` of a speculative engine's draft model (the worker's drafter holds it)."""
+    return report(config, worker.model_runner.drafter.model)
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     ranks = args["tp"] * args.get("pp", 1)
-    if ranks > 1:
+    if ranks > 1:       # one CPU list per rank; with data parallelism vLLM takes its DP rank's share of them
+        ranks *= int(os.environ.get("VLLM_DP_SIZE", "1"))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % os.cpu_count()) for i in range(ranks)))
     llm = LLM(args["model"], load_format=args.get("load_format", "auto"), tensor_parallel_size=args["tp"],
               pipeline_parallel_size=args.get("pp", 1), quantization=args.get("quantization"),
@@ -122,6 +129,9 @@ def main() -> None:
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     ranks = sorted(llm.apply_model(functools.partial(report, llm.llm_engine.vllm_config)), key=lambda r: r["rank"])
     result = {"prompts": PROMPTS, "tokens": [list(o.outputs[0].token_ids) for o in outputs], "ranks": ranks}
+    if args.get("engine", {}).get("speculative_config"):
+        result["draft"] = sorted(llm.collective_rpc(draft_report, args=(llm.llm_engine.vllm_config,)),
+                                 key=lambda r: r["rank"])
     if args.get("reload"):      # vLLM's in-place reload from the checkpoint, then the same prompts again
         llm.collective_rpc("reload_weights")
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
