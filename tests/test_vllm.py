@@ -319,14 +319,14 @@ def test_expert_parallel_ranks_get_the_default_loaders_experts_from_the_cache(wo
 
 
 def run_data_parallel(work: Path, tag: str, model: Path, load_format: str = "auto", extra: dict | None = None,
-                      engine: dict | None = None) -> list[dict]:
+                      engine: dict | None = None, tp: int = 1) -> list[dict]:
     """One engine per DP rank, started together as vLLM's offline data parallelism does (each
     process its rank from VLLM_DP_*; they meet at the master port): each rank's report."""
     port = _free_port()
     procs = []
     for rank in (0, 1):
         out, log = work / f"{tag}-dp{rank}.json", work / f"{tag}-dp{rank}.log"
-        args = {"model": str(model), "tp": 1, "load_format": load_format, "extra": extra or {}, "dtype": "bfloat16",
+        args = {"model": str(model), "tp": tp, "load_format": load_format, "extra": extra or {}, "dtype": "bfloat16",
                 "out": str(out), "engine": engine or {}}
         env = {**os.environ, **ENV, **PLUGINS, "VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": str(rank),
                "VLLM_DP_SIZE": "2", "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(port)}
@@ -369,6 +369,59 @@ def test_data_parallel_expert_ranks_get_the_default_loaders_experts_from_the_cac
     assert cli.returncode == 0, cli.stderr
     held = ask(types.SimpleNamespace(socket=cache / "gpu1.sock"), protocol.Fingerprints())["models"]
     assert json.loads(cli.stdout)["digest"] == {m["name"]: m["digest"] for m in held}["qwen3-moe-dp2-ep"]
+
+
+def test_tp2_dp2_expert_ranks_are_served_by_four_daemons(tmp_path, checkpoints):
+    """Qwen3-MoE at TP 2 × DP 2 with expert parallelism: two engine processes of two workers each,
+    each of the four ranks served by its own daemon (GPU slot k: DP rank k // 2, TP rank k % 2)
+    and holding a quarter of the experts; every rank and the tokens equal the default loader's."""
+    run, engine = tmp_path / "run", {"enable_expert_parallel": True}
+    model = vllm_model("moe-tp2-dp2-ep", checkpoints["qwen3-moe"], [0, 1, 2, 3], tensor_parallel_size=2,
+                       data_parallel_size=2, enable_expert_parallel=True)
+    config = write_config(tmp_path / "fs.toml", run, [model])
+    daemons = [Daemon(tmp_path, config, g, env=PLUGINS) for g in range(4)]
+    try:
+        for d in daemons:
+            d.wait_ready()
+        want = run_data_parallel(tmp_path, "default", checkpoints["qwen3-moe"], engine=engine, tp=2)
+        got = run_data_parallel(tmp_path, "fs", checkpoints["qwen3-moe"], "fast_start",
+                                {"socket_dir": str(run), "fallback": False}, engine, tp=2)
+    finally:
+        for d in daemons:
+            d.stop()
+    for g, w in zip(got, want):
+        assert_same_weights(g, w)
+        assert [r["source"] for r in g["ranks"]] == ["cache", "cache"]
+    experts = [{n: d for n, d in r["as_loaded"].items() if ".experts." in n} for g in got for r in g["ranks"]]
+    assert len({json.dumps(e, sort_keys=True) for e in experts}) == 4      # each rank its own quarter
+    assert "for rank 1 of 2 (DP rank 1 of 2) from the cache" in got[1]["log"]
+
+
+def test_tp4_over_two_nodes_each_served_by_its_own_daemons(tmp_path, checkpoints):
+    """TP 4 over two "nodes" of two GPUs: each node's config lists its GPUs with rank_offset =
+    node × GPUs per node, and each of its daemons serves its rank; the daemons share nothing. (On
+    one machine node 1's GPUs are numbered 2 and 3; on its own node they would be 0 and 1.)"""
+    run = tmp_path / "run"
+    daemons = []
+    for node in (0, 1):
+        gpus = [2 * node, 2 * node + 1]
+        config = write_config(tmp_path / f"node{node}.toml", run, [
+            vllm_model("llama-tp4", checkpoints["llama"], gpus, tensor_parallel_size=4, rank_offset=2 * node)])
+        daemons += [Daemon(tmp_path, config, g) for g in gpus]
+    try:
+        for d in daemons:
+            d.wait_ready()
+        held = [[(m["name"], m["fingerprint"]["rank"]) for m in ask(d, protocol.Fingerprints())["models"]]
+                for d in daemons]
+        assert held == [[("llama-tp4", rank)] for rank in range(4)]
+        want, _ = run_engine(tmp_path / "default-tp4.log", checkpoints["llama"], 4)
+        got, _ = run_engine(tmp_path / "fs-tp4.log", checkpoints["llama"], 4, "fast_start",
+                            {"socket_dir": str(run), "fallback": False})
+    finally:
+        for d in daemons:
+            d.stop()
+    assert_same_weights(got, want)
+    assert [r["source"] for r in got["ranks"]] == ["cache"] * 4
 
 
 def test_a_layout_other_than_the_fills_misses_naming_the_field_and_loads_from_disk(work, checkpoints, cache):
