@@ -408,6 +408,11 @@ def weight_spec(model_config, vllm_config, parallel=None) -> WeightSpec:
     if getattr(parallel, "enable_eplb", False):
         raise CacheMiss("expert load balancing (--enable-eplb) moves experts between ranks as the engine runs; "
                         "its layouts are not cached", "serve it without fast-start, or without --enable-eplb")
+    chosen = _kernel_choices(vllm_config, parallel)
+    if chosen:
+        raise CacheMiss(f"the engine chooses its kernels ({', '.join(chosen)}), which may lay out the processed "
+                        "weights otherwise, and the fill does not (it takes vLLM's defaults)",
+                        "serve it without those options to load from the cache")
     speculative = getattr(vllm_config, "speculative_config", None)
     if speculative is not None and model_config is speculative.draft_model_config:
         _check_draft(model_config, speculative.method)
@@ -434,6 +439,24 @@ def weight_spec(model_config, vllm_config, parallel=None) -> WeightSpec:
     return WeightSpec(_local_folder(model_config), tp, rank, dtype, quantization, "vllm",
                       model_config.revision or "main", vllm.__version__, pp, options,
                       dp, get_dp_group().rank_in_group if dp > 1 else 0, experts)
+
+
+def _kernel_choices(vllm_config, parallel) -> list[str]:
+    """The engine's kernel options (vLLM ≥ 0.32) set away from their defaults: each picks how
+    `process_weights_after_loading` lays out weights (MoE and linear backends, the MoE all-to-all,
+    layers whose KV cache stays unquantized), which the fill, on vLLM's defaults, would not match."""
+    kernels = getattr(vllm_config, "kernel_config", None)
+    chosen = [f"{name}={value!r}" for name in ("moe_backend", "linear_backend")
+              if (value := getattr(kernels, name, "auto")) != "auto"]
+    if getattr(kernels, "linear_backend_per_quant", None):
+        chosen.append(f"linear_backend_per_quant={kernels.linear_backend_per_quant!r}")
+    fields = getattr(type(parallel), "__dataclass_fields__", {})
+    if "all2all_backend" in fields and parallel.all2all_backend != fields["all2all_backend"].default \
+            and getattr(parallel, "enable_expert_parallel", False):
+        chosen.append(f"all2all_backend={parallel.all2all_backend!r}")
+    if getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None):
+        chosen.append(f"kv_cache_dtype_skip_layers={vllm_config.cache_config.kv_cache_dtype_skip_layers!r}")
+    return chosen
 
 
 def _check_draft(model_config, method: str) -> None:

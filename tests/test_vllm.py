@@ -446,6 +446,25 @@ def test_expert_load_balancing_is_refused_in_zero_copy_naming_copy():
     assert "'{\"mode\": \"copy\"}'" in refusal(config, "zero_copy") and refusal(config, "copy") is None
 
 
+def test_kernel_choices_the_fill_does_not_make_are_a_miss_naming_them(checkpoints):
+    """`--moe-backend`, `--linear-backend` (and per quantization), a non-default MoE all-to-all
+    with EP and `--kv-cache-dtype-skip-layers` choose how vLLM lays out processed weights; the fill
+    takes vLLM's defaults, so an engine that sets them misses, naming them, before asking."""
+    from vllm.config import CacheConfig, KernelConfig, ModelConfig, ParallelConfig, VllmConfig
+    from fast_start.errors import CacheMiss
+    from fast_start.vllm import weight_spec
+    model = ModelConfig(model=str(checkpoints["qwen3-moe"]), dtype="bfloat16", skip_tokenizer_init=True)
+    config = VllmConfig(model_config=model, kernel_config=KernelConfig(moe_backend="triton", linear_backend="triton"),
+                        parallel_config=ParallelConfig(enable_expert_parallel=True, all2all_backend="deepep_low_latency"),
+                        cache_config=CacheConfig(kv_cache_dtype_skip_layers=["0"]))
+    with pytest.raises(CacheMiss) as miss:
+        weight_spec(model, config)
+    for chosen in ("moe_backend='triton'", "linear_backend='triton'", "all2all_backend='deepep_low_latency'",
+                   "kv_cache_dtype_skip_layers=['0']"):
+        assert chosen in miss.value.what
+    assert miss.value.fix == "serve it without those options to load from the cache"
+
+
 @pytest.fixture
 def stale_cache(tmp_path, checkpoints, daemons):
     """A daemon prewarmed for another vLLM version."""
