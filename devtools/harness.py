@@ -76,6 +76,13 @@ class NotifyListener:
         self.store.clear()
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def write_config(path: Path, socket_dir: Path, models: list[dict], device: str = "cpu", **daemon) -> Path:
     lines = ["[daemon]", f'socket_dir = "{socket_dir}"', f'device = "{device}"']
     lines += [f"{k} = {_toml(v)}" for k, v in daemon.items()]

@@ -41,6 +41,7 @@ import copy
 import dataclasses
 import gc
 import itertools
+import json
 import logging
 import os
 import time
@@ -464,7 +465,6 @@ def _check_draft(model_config, method: str) -> None:
     model: MTP and EAGLE heads, whose config vLLM rewrites (architecture, model type) and whose
     weights it ties to the target's. A draft model of its own (`draft_model`) is that model, cached
     under its own checkpoint's fingerprint."""
-    import json
     folder = Path(_local_folder(model_config))
     try:
         written = json.loads((folder / "config.json").read_text())

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,20 +10,15 @@ import pytest
 import torch
 
 import fast_start
+from devtools.harness import free_port
 from tiny_llama import TinyLlama, config
 from tp_forward import IDS
 
 HERE = Path(__file__).parent
 
 
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def run_ranks(folder, backend, devices, socket_dir, out, envs=None) -> list[str]:
-    port, world = free_port(), len(devices)
+    port, world = str(free_port()), len(devices)
     procs = [subprocess.Popen([sys.executable, str(HERE / "tp_forward.py"), str(folder), str(r), str(world), backend,
                                devices[r], str(socket_dir), str(out), port],
                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **(envs[r] if envs else {})},

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import torch
 from probe import ask, evictions, status, wait_until
 
 from devtools import synth
-from devtools.harness import Daemon, write_config
+from devtools.harness import Daemon, free_port, write_config
 import fast_start
 from fast_start import protocol
 
@@ -322,7 +321,7 @@ def run_data_parallel(work: Path, tag: str, model: Path, load_format: str = "aut
                       engine: dict | None = None, tp: int = 1) -> list[dict]:
     """One engine per DP rank, started together as vLLM's offline data parallelism does (each
     process its rank from VLLM_DP_*; they meet at the master port): each rank's report."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in (0, 1):
         out, log = work / f"{tag}-dp{rank}.json", work / f"{tag}-dp{rank}.log"
@@ -339,12 +338,6 @@ def run_data_parallel(work: Path, tag: str, model: Path, load_format: str = "aut
         assert rc == 0, f"DP engine exited {rc}; log:\n{log.read_text()[-6000:]}"
         reports.append({**json.loads(out.read_text()), "log": log.read_text()})
     return reports
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_data_parallel_expert_ranks_get_the_default_loaders_experts_from_the_cache(work, checkpoints, cache):
@@ -492,9 +485,7 @@ def test_hf_overrides_are_a_miss_since_the_fingerprint_reads_the_checkpoint(tmp_
 
 
 def test_openai_api_server_serves_from_the_cache(work, checkpoints, reference, cache):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = open(work / "api-server.log", "w")
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoints["llama"]),
