@@ -230,9 +230,10 @@ class Cache:
                  lease.id, ", ends with the reply" if msg.mode == "copy" else "")
         self.metrics.inc("fast_start_cache_hits_total", model=best.model.name, mode=msg.mode)
         if msg.manifest == "json":
-            reply = protocol.Acquired(lease.id, best.model.name, best.manifest_dict)
+            reply = protocol.Acquired(lease.id, best.model.name, best.manifest_dict, fds=len(best.fds))
         else:
-            reply = protocol.Acquired(lease.id, best.model.name, best.head, len(best.table)).attach(best.table)
+            reply = protocol.Acquired(lease.id, best.model.name, best.head, len(best.table),
+                                      len(best.fds)).attach(best.table)
         keep = msg.mode == "zero_copy"
         if not keep and self.on_release == "drop":
             # The copy takes the cache's place: the daemon lets go of the fds (and systemd's

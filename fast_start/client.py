@@ -217,27 +217,29 @@ def _ask(conn: socket.socket, ask: protocol.Acquire, headers: _Headers, device: 
     asked again whole where the daemon could not match it, or matched a model whose fingerprint is
     not the one the engine read (another quantization of the same files, a header rewritten
     unseen); a lease the engine does not use is given back."""
-    reply, fds = request(conn, ask, with_fds=True, meanwhile=headers.read(device))
+    reply, fds = request(conn, ask, with_fds=True, meanwhile=headers.read(device), first_batch=True)
+    batches = protocol.fd_batches(conn, reply, fds) if isinstance(reply, protocol.Acquired) else iter([fds])
     try:
         want = headers.fingerprint()
         again = isinstance(reply, protocol.Miss) and reply.fields == ["partial"]
         if isinstance(reply, protocol.Acquired) and ask.partial and reply.manifest.get("fingerprint") != want.to_dict():
-            _close(fds)
+            _close_all(batches)
             _give_back(conn, reply, ask.mode)
-            again, reply, fds = True, None, []      # nothing held any more, should the re-ask fail
+            again, reply, batches = True, None, iter(())     # nothing held any more, should the re-ask fail
         if again:
             whole = protocol.Acquire(want.to_dict(), ask.mode, ask.files, ask.protocol, ask.device)
-            reply, fds = request(conn, whole, with_fds=True)
+            reply, fds = request(conn, whole, with_fds=True, first_batch=True)
+            batches = protocol.fd_batches(conn, reply, fds) if isinstance(reply, protocol.Acquired) else iter([fds])
     except BaseException:
-        _close(fds)
+        _close_all(batches)
         if isinstance(reply, protocol.Acquired):
             _give_back(conn, reply, ask.mode)
         raise
     if not isinstance(reply, protocol.Acquired):
-        _close(fds)
+        _close_all(batches)
         return reply
     try:
-        return _use(reply, fds, want, ask.mode, device)
+        return _use(reply, batches, want, ask.mode, device)
     except FastStartError:
         _give_back(conn, reply, ask.mode)
         raise
@@ -254,8 +256,16 @@ def _give_back(conn: socket.socket, reply: protocol.Acquired, mode: str) -> None
 
 
 def _close(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
+    for i, fd in enumerate(fds):
+        if fd >= 0:
+            os.close(fd)
+            fds[i] = -1
+
+
+def _close_all(batches: Iterator[list[int]]) -> None:
+    """Read and close whatever fds of a reply are left (the connection is then in step again)."""
+    for batch in batches:
+        _close(batch)
 
 
 def _likely_first(sockets: list[Path], device: torch.device) -> list[Path]:
@@ -269,8 +279,10 @@ def _likely_first(sockets: list[Path], device: torch.device) -> list[Path]:
     return sorted(sockets, key=lambda p: p.name != f"gpu{index}.sock")
 
 
-def _use(reply: protocol.Acquired, fds: list[int], want: Fingerprint, mode: str, device: torch.device) -> Weights:
-    """Weights from an Acquired reply: the arenas mapped (the fds closed at once), the table's views."""
+def _use(reply: protocol.Acquired, batches: Iterator[list[int]], want: Fingerprint, mode: str,
+         device: torch.device) -> Weights:
+    """Weights from an Acquired reply: the arenas mapped a batch of fds at a time (each fd closed
+    once its arena is mapped, before the next batch is read), the table's views."""
     try:
         head = reply.manifest
         try:
@@ -282,11 +294,17 @@ def _use(reply: protocol.Acquired, fds: list[int], want: Fingerprint, mode: str,
         except (KeyError, TypeError, ValueError) as e:
             raise ArenaError(f"the daemon's manifest is malformed ({e!r})",
                              "use a fast-start client of the daemon's version") from None
-        maps = arenas.map_arenas(fds, where, mode, device, close=True)
+        maps: list[torch.Tensor] = []
+        for batch in batches:
+            try:
+                maps += arenas.map_arenas(batch, where[len(maps):len(maps) + len(batch)], mode, device, close=True)
+            finally:
+                _close(batch)       # the fds an error left open (map_arenas marks those it closed -1)
+        if len(maps) != len(where):
+            raise ArenaError(f"got {len(maps)} arena fds for {len(where)} arenas",
+                             "ask the daemon again; the reply was incomplete")
     finally:
-        for fd in fds:
-            if fd >= 0:
-                os.close(fd)
+        _close_all(batches)         # the batches an error left unread
     tensors = arenas.from_table(reply.attachment, maps)
     bad = [a for a, t in aliases.items() if not isinstance(t, str) or t not in tensors or a in tensors]
     if bad:

@@ -24,13 +24,18 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 
 from .errors import FastStartError
 
-VERSION = 4                    # of every frame below; a worker of another version is refused
+VERSION = 5                    # of every frame below; a worker of another version is refused
 MAX_REQUEST = 1 << 20          # what the daemon reads from a client
 MAX_REPLY = 256 << 20          # manifests of large MoE models run to megabytes
 MAX_FDS = 253                  # the kernel's limit per message (SCM_MAX_FD)
+# An Acquired reply's fds travel this many to a frame, and an engine maps and closes each batch
+# before it reads the next (`fd_batches`): receiving many fds at once makes the kernel grow the
+# engine's fd table, which in a process with threads waits for an RCU grace period (BENCHMARKS.md).
+FD_BATCH = 4
 _HEADER = 4
 
 
@@ -166,6 +171,12 @@ class Acquired(Message):
     model: str
     manifest: dict                # "json": the manifest; "table": all of it but the tensors
     table: int = 0                # bytes of the tensor table (`table.py`) that follow this frame
+    fds: int = 0                  # the reply's arena fds: FD_BATCH ride on it, the rest on `Fds` frames after it
+
+
+class Fds(Message):                        # daemon -> engine, right after an Acquired: its next fds
+    kind = "fds"
+    first: int                    # the index of its first fd among the reply's
 
 
 class Miss(Message):
@@ -241,7 +252,7 @@ class Verified(Message):                   # worker -> daemon
 
 
 KINDS = {c.kind: c for c in (
-    Hello, Status, Fingerprints, Acquire, Release, Evict, Evictions, Fill, Metrics, Welcome, Report, Acquired, Miss, Error,
+    Hello, Status, Fingerprints, Acquire, Release, Evict, Evictions, Fill, Metrics, Welcome, Report, Acquired, Fds, Miss, Error,
     Progress, Filled, WorkerHello, CheckJob, Checked, FillJob, VerifyJob, Verified)}
 JOBS = ("check_job", "fill_job", "verify_job")
 REQUESTS = ("hello", "status", "fingerprints", "acquire", "release", "evict", "evictions", "fill", "metrics")
@@ -278,7 +289,19 @@ def decode(data: bytes, allowed: tuple[str, ...] | None = None):
 
 
 def send(sock: socket.socket, msg: Message, fds: list[int] | tuple[int, ...] = ()) -> None:
-    """Send one frame and its attachment; `fds` ride on its first byte."""
+    """Send one frame and its attachment; `fds` ride on its first byte. An Acquired reply's fds
+    (as many as its `fds` says) go FD_BATCH to a frame: the first on it, the rest on `Fds` frames."""
+    if isinstance(msg, Acquired):
+        if msg.fds != len(fds):
+            raise ValueError(f"an acquired frame announces {msg.fds} fds, not {len(fds)}")
+        _send(sock, msg, fds[:FD_BATCH])
+        for first in range(FD_BATCH, len(fds), FD_BATCH):
+            _send(sock, Fds(first), fds[first:first + FD_BATCH])
+        return
+    _send(sock, msg, fds)
+
+
+def _send(sock: socket.socket, msg: Message, fds: list[int] | tuple[int, ...]) -> None:
     data = encode(msg) + msg.attachment
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
     sent = sock.sendmsg([data], ancillary)
@@ -317,6 +340,36 @@ def recv(sock: socket.socket, max_size: int = MAX_REPLY, allowed: tuple[str, ...
         _close(fds)
         raise
     return msg, fds
+
+
+def fd_batches(sock: socket.socket, reply: Acquired, first: list[int]) -> Iterator[list[int]]:
+    """An Acquired `reply`'s fds a batch at a time: `first` (those that came on it), then each `Fds`
+    frame's, read when the next batch is asked for. The caller owns (and closes) each batch it
+    gets; one that stops early reads and closes the rest before it uses the connection again."""
+    if len(first) != min(FD_BATCH, reply.fds):
+        _close(first)
+        raise FramingError(f"an acquired frame came with {len(first)} of its {reply.fds} fds", "ask again")
+    yield first
+    for start in range(FD_BATCH, reply.fds, FD_BATCH):
+        msg, fds = recv(sock, MAX_REQUEST, ("fds",))
+        if msg is None or msg.first != start or len(fds) != min(FD_BATCH, reply.fds - start):
+            _close(fds)
+            raise FramingError(f"the fds of an acquired frame broke off at {start} of {reply.fds}", "ask again")
+        yield fds
+
+
+def all_fds(sock: socket.socket, reply: Message, first: list[int]) -> list[int]:
+    """Every fd of a reply: those that came on it, and for an Acquired the rest of its batches."""
+    if not isinstance(reply, Acquired):
+        return first
+    fds: list[int] = []
+    try:
+        for batch in fd_batches(sock, reply, first):
+            fds += batch
+    except BaseException:
+        _close(fds)
+        raise
+    return fds
 
 
 def _read(sock: socket.socket, n: int, fds: list[int], space: int, deadline: float | None,

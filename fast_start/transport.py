@@ -65,8 +65,11 @@ def connect(path: Path, timeout: float) -> socket.socket:
     return conn
 
 
-def request(conn: socket.socket, msg, with_fds: bool = False, meanwhile: Iterator | None = None):
-    """Send one request and return its reply (and fds when asked for); daemon errors raise.
+def request(conn: socket.socket, msg, with_fds: bool = False, meanwhile: Iterator | None = None,
+            first_batch: bool = False):
+    """Send one request and return its reply (and fds when asked for); daemon errors raise. An
+    Acquired reply's fds are all read, or with `first_batch` only those on its frame (the caller
+    reads the rest with `protocol.fd_batches`).
     `meanwhile` is advanced a step at a time while the daemon works on the reply, and left where
     it is once the reply has arrived: its remaining steps are skipped, not waited for. Once it is
     done, the reply is watched for awake (`stay_awake`) before the read blocks.
@@ -89,12 +92,15 @@ def request(conn: socket.socket, msg, with_fds: bool = False, meanwhile: Iterato
                 break
         else:
             stay_awake(arrived, AWAKE_S)
-    reply, fds = protocol.recv(conn, accept_fds=with_fds)
+    reply, fds = protocol.recv(conn)
     if reply is None:
         raise protocol.ProtocolError("the daemon closed the connection", "see the daemon's log")
-    if isinstance(reply, protocol.Error):
+    if not (with_fds and first_batch):
+        fds = protocol.all_fds(conn, reply, fds)        # the stream is in step for the next request
+    if isinstance(reply, protocol.Error) or not with_fds:
         for fd in fds:
             os.close(fd)
+    if isinstance(reply, protocol.Error):
         raise FastStartError(reply.what, reply.fix)
     return (reply, fds) if with_fds else reply
 

@@ -123,10 +123,12 @@ def test_a_reply_to_a_partial_request_that_is_not_the_engines_model_is_given_bac
     """Where a partial request matches more than one model (vLLM's layout leaves a quantization it
     takes from config.json empty; here the engine is made to leave it empty, with the same files
     cached as fp8 and unquantized), the daemon may answer with the other one: the engine gives
-    that lease back and asks again with the whole fingerprint, which gets its own model."""
+    that lease back and asks again with the whole fingerprint, which gets its own model. Its
+    arenas are many: the fds of the reply given back are read to the end before the new request."""
     from fast_start import client
     d = daemons(write_config(tmp_path / "fs.toml", tmp_path / "run",
-                             [model("a-fp8", small, quantization="fp8"), model("b-none", small)]))
+                             [model("a-fp8", small, quantization="fp8"), model("b-none", small)], arena_chunk="64KiB"))
+    assert min(m["arenas"] for m in status(d)["models"]) > 2 * protocol.FD_BATCH
     requested = client.requested
     monkeypatch.setattr(client, "requested", lambda spec: requested(spec)._replace(quantization=""))
     w = fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"), socket_dir=str(tmp_path / "run"),

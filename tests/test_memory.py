@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -173,3 +174,43 @@ def test_a_copy_beside_a_kept_cache_without_room_is_refused_naming_both_options(
     assert [(s[1]["reason"], s[2]) for s in misses] == [("memory", 1)]
     r = runner.invoke(app, ["status", "--config", str(cfg)], env={"COLUMNS": "200"})
     assert "small: " in r.stdout and "copy refused: no room on host memory" in r.stdout
+
+
+ENGINE_WITH_A_FULL_FD_TABLE = r"""
+import json, os, sys, threading
+import fast_start
+from fast_start import protocol
+
+def fd_size():
+    return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("FDSize:")))
+
+# Threads share the fd table, as in an engine: the kernel then grows it the slow way.
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+size, held = fd_size(), []
+while True:                      # every fd below the last `room` of the table taken
+    fd = os.open("/dev/null", os.O_RDONLY)
+    if fd >= size - int(sys.argv[2]):
+        os.close(fd)
+        break
+    held.append(fd)
+w = fast_start.fetch(fast_start.WeightSpec(sys.argv[1], engine_version="test"), mode="copy",
+                     socket_dir=os.environ["FAST_START_SOCKET_DIR"], fallback=False)
+print(json.dumps({"source": w.source, "before": size, "after": fd_size(), "batch": protocol.FD_BATCH}))
+"""
+
+
+def test_an_engine_with_few_free_fds_gets_many_arenas_without_its_fd_table_growing(tmp_path, llama_tied, daemons):
+    """An Acquired reply's fds come FD_BATCH at a time and each batch is mapped and closed before
+    the next is read: an engine needs that many free slots in its fd table, not one per arena (the
+    kernel's growth of a threaded process's table waits for an RCU grace period, BENCHMARKS.md)."""
+    run = tmp_path / "run"
+    d = daemons(write_config(tmp_path / "fs.toml", run, [model("llama", llama_tied)], arena_chunk="64KiB"))
+    (m,) = status(d)["models"]
+    room = 2 * protocol.FD_BATCH         # the connection, the batch, a copy's map and a header's file
+    assert m["arenas"] >= 2 * room        # all at once would need twice the room
+    env = {**os.environ, "FAST_START_SOCKET_DIR": str(run)}
+    out = subprocess.run([sys.executable, "-c", ENGINE_WITH_A_FULL_FD_TABLE, str(llama_tied), str(room)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["source"] == "cache" and got["after"] == got["before"], got

@@ -155,7 +155,8 @@ def test_a_header_rewritten_where_neither_identity_nor_watch_sees_it_is_a_miss(t
     the fingerprint the engine reads while the daemon answers: the reply to its partial request is
     not its model, so it gives that lease back and asks with the whole fingerprint, which is a
     miss on the checkpoint field; no lease is left, and the disk gives the new tensors."""
-    d = daemons(write_config(tmp_path / "fs.toml", tmp_path / "run", [model(small)], refill_on_change=False))
+    d = daemons(write_config(tmp_path / "fs.toml", tmp_path / "run", [model(small)], refill_on_change=False,
+                             arena_chunk="64KiB"))        # many fds in the reply given back
     run = str(tmp_path / "run")
     old = fast_start.fetch(spec(small), socket_dir=run, mode="copy", fallback=False)
     files = watch.identity(small)

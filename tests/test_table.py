@@ -182,6 +182,64 @@ def test_an_attachment_over_the_limit_closes_the_stream():
             protocol.Acquired(1, "m", {}, 10).attach(b"short")
 
 
+def pipes(n: int) -> list[int]:
+    """`n` fds, each the read end of a pipe whose write end says its number."""
+    fds = []
+    for i in range(n):
+        r, w = os.pipe()
+        os.write(w, str(i).encode())
+        os.close(w)
+        fds.append(r)
+    return fds
+
+
+def test_an_acquired_replys_fds_come_a_batch_at_a_time_in_order():
+    a, b = socket.socketpair()
+    sent = pipes(2 * protocol.FD_BATCH + 1)
+    with a, b:
+        protocol.send(a, protocol.Acquired(1, "m", {}, fds=len(sent)), sent)
+        reply, first = protocol.recv(b)
+        assert reply.fds == len(sent) and len(first) == protocol.FD_BATCH
+        got = list(protocol.fd_batches(b, reply, first))
+        assert [len(batch) for batch in got] == [protocol.FD_BATCH, protocol.FD_BATCH, 1]
+        assert [os.read(fd, 8) for batch in got for fd in batch] == [str(i).encode() for i in range(len(sent))]
+        protocol.send(a, protocol.Status())             # the stream is in step after them
+        assert protocol.recv(b)[0] == protocol.Status()
+        with pytest.raises(ValueError, match="announces 3 fds, not 2"):
+            protocol.send(a, protocol.Acquired(1, "m", {}, fds=3), sent[:2])
+    for fd in sent + [fd for batch in got for fd in batch]:
+        os.close(fd)
+
+
+def test_a_batch_out_of_order_breaks_the_reply_and_leaks_no_fd():
+    a, b = socket.socketpair()
+    sent = pipes(protocol.FD_BATCH + 2)
+    with a, b:
+        protocol._send(a, protocol.Acquired(1, "m", {}, fds=len(sent)), sent[:protocol.FD_BATCH])
+        protocol._send(a, protocol.Fds(protocol.FD_BATCH + 1), sent[protocol.FD_BATCH:])     # should be FD_BATCH
+        before = set(os.listdir("/proc/self/fd"))
+        reply, first = protocol.recv(b)
+        with pytest.raises(protocol.FramingError, match=f"broke off at {protocol.FD_BATCH} of {len(sent)}"):
+            protocol.all_fds(b, reply, first)
+        assert set(os.listdir("/proc/self/fd")) == before
+    for fd in sent:
+        os.close(fd)
+
+
+def test_a_request_that_takes_no_fds_still_reads_every_batch_of_its_reply():
+    a, b = socket.socketpair()
+    sent = pipes(protocol.FD_BATCH + 1)
+    with a, b:
+        protocol.send(b, protocol.Acquired(1, "m", {}, fds=len(sent)), sent)
+        protocol.send(b, protocol.Report({"next": 1}))
+        before = set(os.listdir("/proc/self/fd"))
+        assert isinstance(request(a, protocol.Status()), protocol.Acquired)
+        assert set(os.listdir("/proc/self/fd")) == before          # read and closed
+        assert protocol.recv(a)[0].body == {"next": 1}       # the frame after them, in step
+    for fd in sent:
+        os.close(fd)
+
+
 def test_the_engine_side_imports_torch_and_the_client_only():
     code = ("import sys, torch; before = set(sys.modules); import fast_start; fast_start.fetch; "
             "print(' '.join(sorted(set(sys.modules) - before)))")
