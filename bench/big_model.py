@@ -2,6 +2,7 @@
 
     python -m bench.big_model OUTDIR before_after [BASELINE_TREE]
     python -m bench.big_model OUTDIR near_full
+    python -m bench.big_model OUTDIR hf_fill
 
 The GPU's used memory (every process counted, NVML) is sampled every 20 ms in this process;
 a peak is reported above what was used just before the step. The model is Qwen3-8B-shaped,
@@ -20,6 +21,9 @@ together while it loads); a refill; then the ballast goes: a copy engine at 0.9 
 against the default loader's), a refill, and a zero_copy engine at 0.9 that keeps generating
 while a reload adds a second model that cannot fit. OUTDIR/near_full.json is written after
 each step.
+
+hf_fill: the same checkpoint filled in the `hf` layout (fast-start's own streaming pipeline, no
+engine), as bf16 and as float32 (twice the bytes): the fill's peak against the weights it caches.
 """
 from __future__ import annotations
 
@@ -286,6 +290,24 @@ def near_full(sampler: Sampler, save) -> dict:
     return r
 
 
+def hf_fill(sampler: Sampler, save) -> dict:
+    path = checkpoint()
+    r = {}
+    for dtype in ("bfloat16", "float32"):
+        entry = {"name": "qwen3-8b", "path": str(path), "gpus": [0], "layout": "hf", "dtype": dtype,
+                 "engine_version": "bench"}
+        d, r[dtype] = fill(sampler, f"hf-{dtype}", [entry])
+        try:
+            status = d.cli("status")[0]
+        finally:
+            d.stop()
+        weights = sum(m["bytes"] for m in status.get("models", []))
+        r[dtype].update(weights_gb=weights / GB, arenas=[m["arenas"] for m in status.get("models", [])],
+                        peak_over_weights=r[dtype]["peak_above_gb"] * GB / weights if weights else None)
+        save(r)
+    return r
+
+
 def refill(sampler: Sampler, d: Daemon, weights: int) -> dict:
     """`fast-start fill` after a copy took the cache: time until the model is back, and the peak."""
     since, base = time.monotonic(), sampler.now()
@@ -307,7 +329,10 @@ def main() -> None:
 
     def save(result: dict) -> None:       # after each step: a run cut short still reports what it did
         (OUT / f"{phase}.json").write_text(json.dumps(result, indent=1, default=str))
-    result = before_after(sampler, sys.argv[3]) if phase == "before_after" else near_full(sampler, save)
+    if phase == "before_after":
+        result = before_after(sampler, sys.argv[3])
+    else:
+        result = {"near_full": near_full, "hf_fill": hf_fill}[phase](sampler, save)
     sampler.done.set()
     save(result)
     print(json.dumps(result, indent=1, default=str)[-6000:])

@@ -61,6 +61,10 @@ class MemfdWriter:
         while done < len(data):
             done += os.pwrite(self.fd, data[done:done + _WRITE_STEP], offset + done)
 
+    def typed(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """No place to write in: a memfd is written with `pwrite` (`write`)."""
+        return None
+
     def finish(self) -> int:
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
         fd, self.fd = self.fd, -1

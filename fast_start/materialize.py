@@ -27,17 +27,27 @@ from .manifest import ArenaEntry, Manifest, pack
 Reader = Callable[[str, "shard.Cut | None"], torch.Tensor]
 
 
-def derive(ckpt: Checkpoint, spec: WeightSpec, read: Reader, device: str | torch.device = "cpu"
-           ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, contiguous tensor on `device`) for every tensor of this rank in `spec.layout`."""
+# Where a tensor the pipeline yields as it was staged may be staged: (name, shape, dtype) -> a
+# tensor of that shape and dtype on the device (a fill's place in its arena), or None.
+Place = Callable[[str, torch.Size, torch.dtype], "torch.Tensor | None"]
+
+
+def derive(ckpt: Checkpoint, spec: WeightSpec, read: Reader, device: str | torch.device = "cpu",
+           place: Place | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, contiguous tensor on `device`) for every tensor of this rank in `spec.layout`.
+
+    Nothing of a yielded tensor is held here once the next is asked for: a consumer that lets go
+    of each holds one tensor at a time on the device (merges in progress aside, `layout.arrange`).
+    """
     method, dtype, tp = check_spec(ckpt, spec)
-    tensors = _rank_tensors(ckpt, read, method, dtype, tp, staging.to_device(device))
+    tensors = _rank_tensors(ckpt, read, method, dtype, tp, staging.to_device(device), place)
     for name, t in layout.arrange(spec.layout, ckpt.dims, tp.size, tensors):
         yield name, t.contiguous()
+        del t
 
 
 def _rank_tensors(ckpt: Checkpoint, read: Reader, method: quant.Method, dtype: torch.dtype, tp: shard.TP,
-                  to_device: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+                  to_device: staging.ToDevice, place: Place | None) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's tensors under the checkpoint's names, in checkpoint order."""
     for name, info in ckpt.tensors.items():
         if shard.SKIP.search(name):
@@ -50,16 +60,19 @@ def _rank_tensors(ckpt: Checkpoint, read: Reader, method: quant.Method, dtype: t
             q, s = fp8.quantize(method, to_device(read(name, None)))
             yield name, shard.shard(name, q, tp)
             yield name + method.scale_suffix, shard.shard(name + method.scale_suffix, s, tp, info.shape)
+            del q, s
         else:
-            t = to_device(read(name, shard.cut_for(name, info.shape, tp)))
-            yield name, _cast(name, t, dtype)
+            t = read(name, shard.cut_for(name, info.shape, tp))
+            want = _served_dtype(name, t.dtype, dtype)
+            yield name, to_device(t, want, place(name, t.shape, want) if place else None)
+        t = None
 
 
-def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _served_dtype(name: str, stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
     # FP8 weights and activation scales of a pre-quantized checkpoint keep their stored dtype.
-    if not t.is_floating_point() or t.dtype == fp8.FP8 or name.endswith("input_scale"):
-        return t
-    return t.to(dtype)
+    if not stored.is_floating_point or stored == fp8.FP8 or name.endswith("input_scale"):
+        return stored
+    return dtype
 
 
 def check_spec(ckpt: Checkpoint, spec: WeightSpec):
@@ -132,13 +145,23 @@ def materialize(spec: WeightSpec, device: str = "cpu", chunk: int | None = None,
     by_name = {e.name: e for e in entries}
     writers = [arenas.create(size, device, f"{ckpt.folder.name}-r{spec.rank}-{i}") for i, size in enumerate(sizes)]
     done, total, final = 0, sum(e.nbytes for e in entries), []
+
+    def place(name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+        """A tensor yielded as staged (its entry has its name, shape and dtype) is staged in its
+        arena: on a GPU the fill then holds no copy of it beside the arenas."""
+        e = by_name.get(name)
+        if e is None or e.shape != tuple(shape) or e.dtype != dtypes.name_of(dtype):
+            return None
+        return writers[e.arena].typed(e.offset, dtype, e.shape)
+
     try:
         with tensor_reader(ckpt) as read:
-            for name, t in derive(ckpt, spec, read, device):     # compute where the arena is
+            for name, t in derive(ckpt, spec, read, device, place):     # compute where the arena is
                 e = by_name[name]
                 writers[e.arena].write(e.offset, t)
                 final.append(replace(e, checksum=checksum(t)))
                 done += e.nbytes
+                del t
                 if progress:
                     progress(done, total)
         fds = [w.finish() for w in writers]

@@ -22,25 +22,37 @@ class PinnedStager:
         self.done: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        src = t.contiguous().reshape(-1).view(torch.uint8)
-        out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
-        dst = out.reshape(-1).view(torch.uint8)
-        for start in range(0, src.numel(), self.chunk):
-            n = min(self.chunk, src.numel() - start)
+    def __call__(self, t: torch.Tensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """`t` on the GPU as `dtype` (its own by default), in `out` where given (a contiguous
+        tensor of its shape and that dtype: a fill stages straight into its arena), else in a
+        new tensor. A cast is made on the CPU as the bytes are staged: the GPU never holds a
+        tensor in two dtypes at once."""
+        dtype = dtype or t.dtype
+        src = t.contiguous().reshape(-1)
+        if out is None:
+            out = torch.empty(t.shape, dtype=dtype, device=self.device)
+        dst, per = out.reshape(-1), self.chunk // out.element_size()
+        for start in range(0, src.numel(), per):
+            n = min(per, src.numel() - start)
             k, self.turn = self.turn, 1 - self.turn
             if self.done[k] is not None:
                 self.done[k].synchronize()          # its previous DMA has finished reading it
-            self.buffers[k][:n].copy_(src[start:start + n])
-            dst[start:start + n].copy_(self.buffers[k][:n], non_blocking=True)
+            staged = self.buffers[k][:n * out.element_size()].view(dtype)
+            staged.copy_(src[start:start + n])
+            dst[start:start + n].copy_(staged, non_blocking=True)
             self.done[k] = torch.cuda.Event()
             self.done[k].record()
         return out
 
 
-def to_device(device: str | torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A function moving CPU tensors to `device`: staged through pinned memory for CUDA."""
+ToDevice = Callable[..., torch.Tensor]
+
+
+def to_device(device: str | torch.device) -> ToDevice:
+    """A function `(t, dtype=None, out=None)` moving a CPU tensor to `device` as `dtype`: staged
+    through pinned memory for CUDA (into `out` where given), `Tensor.to` elsewhere."""
     device = torch.device(device)
     if device.type != "cuda":
-        return lambda t: t.to(device)
+        return lambda t, dtype=None, out=None: t.to(device=device, dtype=dtype or t.dtype)
     return PinnedStager(device)

@@ -12,6 +12,8 @@ engine's start never imports cuda-bindings.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import gpus
@@ -91,7 +93,15 @@ class VmmWriter:
 
     def write(self, offset: int, tensor: torch.Tensor) -> None:
         assert tensor.is_contiguous() and offset + tensor.nbytes <= self.size
-        self.view[offset:offset + tensor.nbytes].copy_(tensor.reshape(-1).view(torch.uint8), non_blocking=True)
+        dst = self.view[offset:offset + tensor.nbytes]
+        if dst.data_ptr() != tensor.data_ptr():       # not staged in place (`typed`)
+            dst.copy_(tensor.reshape(-1).view(torch.uint8), non_blocking=True)
+
+    def typed(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The arena's bytes at `offset` as a tensor of `shape` and `dtype`, to be written in place."""
+        n = math.prod(shape) * dtype.itemsize
+        assert offset % dtype.itemsize == 0 and offset + n <= self.size
+        return self.view[offset:offset + n].view(dtype).view(shape)
 
     def finish(self) -> int:
         drv = driver()

@@ -186,3 +186,21 @@ def test_dtype_is_applied_to_unquantized_tensors(llama):
 def test_unknown_mode_is_refused(llama):
     with pytest.raises(fast_start.FastStartError, match="zero_copy"):
         fast_start.fetch(fast_start.WeightSpec(str(llama)), mode="mmap")
+
+
+@pytest.mark.parametrize("quantization,dtype", [("none", "bfloat16"), ("none", "float32"), ("fp8", "bfloat16")])
+def test_the_pipeline_holds_nothing_of_a_tensor_once_the_next_is_asked_for(llama, quantization, dtype):
+    """A fill lets go of each tensor before it asks for the next: then it holds one tensor at a
+    time beside its arenas (on a GPU, where the caching allocator keeps what was held the most)."""
+    import weakref
+    from fast_start.checkpoint import open_checkpoint, tensor_reader
+    from fast_start.materialize import derive
+    spec = fast_start.WeightSpec(str(llama), 2, 1, dtype=dtype, quantization=quantization, engine_version="test")
+    ckpt, seen = open_checkpoint(spec.path), []
+    with tensor_reader(ckpt) as read:
+        for name, t in derive(ckpt, spec, read):
+            seen.append((name, weakref.ref(t)))
+            del t
+            alive = [n for n, ref in seen[:-1] if ref() is not None]
+            assert not alive, f"{alive} still held when {name} came"
+    assert len(seen) > 10
