@@ -495,6 +495,28 @@ def test_a_layout_other_than_the_fills_misses_naming_the_field_and_loads_from_di
     assert "differing fields: expert_parallel); loading with vLLM's default loader" in log
 
 
+def test_an_expert_parallel_engine_where_the_cache_holds_ranks_without_it_misses_naming_the_field(tmp_path,
+                                                                                                     checkpoints):
+    """The other way round: the daemons hold Qwen3-MoE's TP-2 ranks without expert parallelism
+    (each rank a slice of every expert), and the engine runs with it (whole experts per rank)."""
+    run, engine = tmp_path / "run", {"enable_expert_parallel": True}
+    config = write_config(tmp_path / "fs.toml", run, [vllm_model("moe-tp2", checkpoints["qwen3-moe"], [0, 1],
+                                                                 tensor_parallel_size=2)])
+    daemons = [Daemon(tmp_path, config, g, env=PLUGINS) for g in (0, 1)]
+    try:
+        for d in daemons:
+            d.wait_ready()
+        want, _ = run_engine(tmp_path / "default-ep2.log", checkpoints["qwen3-moe"], 2, env=PLUGINS, engine=engine)
+        got, log = run_engine(tmp_path / "fs-ep2.log", checkpoints["qwen3-moe"], 2, "fast_start",
+                              {"socket_dir": str(run)}, env=PLUGINS, engine=engine)
+    finally:
+        for d in daemons:
+            d.stop()
+    assert_same_weights(got, want)
+    assert [r["source"] for r in got["ranks"]] == [None] * 2
+    assert "differing fields: expert_parallel); loading with vLLM's default loader" in log
+
+
 def test_expert_load_balancing_is_refused_in_zero_copy_naming_copy():
     """EPLB moves experts between ranks as the engine runs, writing weights in place. (vLLM's CPU
     build refuses to configure EPLB at all: the flag is set on a validated config here.)"""
