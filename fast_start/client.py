@@ -218,7 +218,7 @@ def _ask(conn: socket.socket, ask: protocol.Acquire, headers: _Headers, device: 
     not the one the engine read (another quantization of the same files, a header rewritten
     unseen); a lease the engine does not use is given back."""
     reply, fds = request(conn, ask, with_fds=True, meanwhile=headers.read(device), first_batch=True)
-    batches = protocol.fd_batches(conn, reply, fds) if isinstance(reply, protocol.Acquired) else iter([fds])
+    batches = protocol.fd_batches(conn, reply, fds)
     try:
         want = headers.fingerprint()
         again = isinstance(reply, protocol.Miss) and reply.fields == ["partial"]
@@ -229,7 +229,7 @@ def _ask(conn: socket.socket, ask: protocol.Acquire, headers: _Headers, device: 
         if again:
             whole = protocol.Acquire(want.to_dict(), ask.mode, ask.files, ask.protocol, ask.device)
             reply, fds = request(conn, whole, with_fds=True, first_batch=True)
-            batches = protocol.fd_batches(conn, reply, fds) if isinstance(reply, protocol.Acquired) else iter([fds])
+            batches = protocol.fd_batches(conn, reply, fds)
     except BaseException:
         _close_all(batches)
         if isinstance(reply, protocol.Acquired):

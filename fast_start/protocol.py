@@ -342,10 +342,13 @@ def recv(sock: socket.socket, max_size: int = MAX_REPLY, allowed: tuple[str, ...
     return msg, fds
 
 
-def fd_batches(sock: socket.socket, reply: Acquired, first: list[int]) -> Iterator[list[int]]:
-    """An Acquired `reply`'s fds a batch at a time: `first` (those that came on it), then each `Fds`
-    frame's, read when the next batch is asked for. The caller owns (and closes) each batch it
-    gets; one that stops early reads and closes the rest before it uses the connection again."""
+def fd_batches(sock: socket.socket, reply: Message, first: list[int]) -> Iterator[list[int]]:
+    """A reply's fds a batch at a time: `first` (those that came on it), then for an Acquired each
+    `Fds` frame's, read when the next batch is asked for. The caller owns (and closes) each batch
+    it gets; one that stops early reads and closes the rest before it uses the connection again."""
+    if not isinstance(reply, Acquired):
+        yield first
+        return
     if len(first) != min(FD_BATCH, reply.fds):
         _close(first)
         raise FramingError(f"an acquired frame came with {len(first)} of its {reply.fds} fds", "ask again")
@@ -360,8 +363,6 @@ def fd_batches(sock: socket.socket, reply: Acquired, first: list[int]) -> Iterat
 
 def all_fds(sock: socket.socket, reply: Message, first: list[int]) -> list[int]:
     """Every fd of a reply: those that came on it, and for an Acquired the rest of its batches."""
-    if not isinstance(reply, Acquired):
-        return first
     fds: list[int] = []
     try:
         for batch in fd_batches(sock, reply, first):
