@@ -10,7 +10,8 @@ bytes come from the engine's own vLLM, torch and kernels. For the rank the daemo
    plan and the attention backends vLLM chose (`vllm_attention`), loads the checkpoint with
    vLLM's default loader, and
 3. either runs `process_weights_after_loading` and exports every parameter and buffer
-   (stage "processed"; the engine installs them under vLLM's `weights_already_processed()`), or
+   (stage "processed"; the engine installs them under vLLM's `weights_already_processed()`, and
+   finishes the layers vLLM's pass cannot itself: `vllm_preprocessed`), or
    exports the parameters as loaded (stage "loaded"; the engine runs the processing itself). The
    loaded stage serves the CPU build with unquantized models (its processing turns linear weights
    into oneDNN handles, which cannot be exported) and vLLM versions without the pre-processed
@@ -34,7 +35,7 @@ from collections.abc import Callable
 import torch
 
 from . import arena as arenas
-from . import vllm_attention, vllm_rules, vllm_state
+from . import vllm_attention, vllm_preprocessed, vllm_rules, vllm_state
 from .errors import FastStartError
 from .fingerprint import WeightSpec, fingerprint
 from .manifest import ALIGN, CHUNK, ArenaEntry, Manifest, TensorEntry, place
@@ -45,16 +46,23 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gatherv", "reduce_scatter", "red
                "recv_object", "send_tensor_dict", "recv_tensor_dict", "send", "recv", "barrier", "dispatch", "combine")
 
 
-def has_preprocessed_hook() -> bool:
-    """Whether this vLLM can install processed weights (`weights_already_processed`, vLLM ≥ 0.30)."""
-    import vllm.model_executor.utils as utils
-    return hasattr(utils, "weights_already_processed")
+FP4 = ("compressed-tensors", "modelopt_fp4")     # their loaded stage (the engine repacks) is not verified
 
 
-def stage_for(device: str, quantization: str) -> str:
+def stage_for(device: str, quantization: str, model: torch.nn.Module) -> str:
+    """"processed" where the engine can install this model's processed weights: vLLM ≥ 0.30 (its
+    pre-processed pass), or every quantized layer finished by `vllm_preprocessed` (FP4 kernels
+    on any version); "loaded" otherwise, and for unquantized models on the CPU."""
     if device == "cpu" and quantization == "none":
         return "loaded"
-    return "processed" if has_preprocessed_hook() else "loaded"
+    if vllm_preprocessed.has_hook() or vllm_preprocessed.processed_without_hook(model):
+        return "processed"
+    if quantization in FP4:
+        layers = vllm_preprocessed.unfinished(model, False)
+        raise FastStartError(f"this vLLM has no pre-processed pass, and fast-start cannot finish {len(layers)} "
+                             f"of its FP4 layers over processed weights ({', '.join(layers[:3])})",
+                             "serve it without fast-start, or with vLLM 0.30 or later")
+    return "loaded"
 
 
 def apply_env(options: dict) -> None:
@@ -160,17 +168,15 @@ def fill(spec: WeightSpec, device: str, progress: Callable[[int, int], None] | N
     if got != want.quantization:
         raise FastStartError(f"vLLM reads {spec.path} as quantization {got!r}, the fingerprint says "
                              f"{want.quantization!r}", "set the model's quantization to what vLLM uses")
-    stage = stage_for(device, got)
     try:
-        return _fill(spec, want, config, device, stage, progress, chunk)
+        return _fill(spec, want, config, device, progress, chunk)
     finally:      # the worker lives on: give vLLM's copy of the weights back to the device
         gc.collect()
         if target.type == "cuda":
             torch.cuda.empty_cache()
 
 
-def _fill(spec: WeightSpec, want, config, device: str, stage: str, progress, chunk: int
-          ) -> tuple[Manifest, list[int]]:
+def _fill(spec: WeightSpec, want, config, device: str, progress, chunk: int) -> tuple[Manifest, list[int]]:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import utils as loader_utils
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -182,6 +188,7 @@ def _fill(spec: WeightSpec, want, config, device: str, stage: str, progress, chu
         with set_default_torch_dtype(model_config.dtype), target, vllm_attention.recording(attention):
             model = loader_utils.initialize_model(vllm_config=config, model_config=model_config)
         plan = vllm_state.kernel_plan(model)
+        stage = stage_for(device, want.quantization, model)
         built = {n for n, _ in model.named_parameters()}
         loader = DefaultModelLoader(config.load_config)
         loader.counter_before_loading_weights = time.perf_counter()
@@ -287,6 +294,10 @@ def export(want, named, device: str, engine: dict, progress=None, chunk: int = C
     storages: dict[tuple, torch.UntypedStorage] = {}
     for _, t in unique:
         storages.setdefault(_storage_key(t), t.untyped_storage())
+    # Buffers may outlive the model: vLLM shares one rotary embedding (and its cache) between
+    # every model built with the same settings, so the next fill's model holds it too.
+    buffers = set(engine.get("buffers", ()))
+    shared = {t.untyped_storage().data_ptr() for name, t in named if name in buffers}
     where, sizes = place([s.nbytes() for s in storages.values()], chunk)
     bases = dict(zip(storages, where))              # storage -> (arena, offset)
     chunks: list[list[tuple[int, torch.UntypedStorage]]] = [[] for _ in sizes]
@@ -319,7 +330,7 @@ def export(want, named, device: str, engine: dict, progress=None, chunk: int = C
                     t.data = _view(writer.view, e, t)
             if hold != "keep":
                 for _, s in group:
-                    if s.resizable():
+                    if s.resizable() and s.data_ptr() not in shared:
                         s.resize_(0)
                 if torch.device(device).type == "cuda":
                     torch.cuda.empty_cache()        # back to the driver before the next chunk

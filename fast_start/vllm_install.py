@@ -4,18 +4,21 @@
 fill's, then for stage "loaded" points the parameters at the cache (`install`), gives a model
 built on meta what the fill recorded by value and mends vLLM's reload record (`complete`), and
 runs vLLM's processing; for stage "processed" it installs every parameter and buffer of the
-fill's processed model (`install_processed`), runs vLLM's pre-processed pass, mends the gaps
-that pass leaves (`mend_gaps`) and compares the attribute signature with the fill's. Either way
+fill's processed model (`install_processed`), runs vLLM's pre-processed pass (layers it cannot
+finish, FP4 kernels among them, are finished by `vllm_preprocessed`), mends the gaps that pass
+leaves (`mend_gaps`) and compares the attribute signature with the fill's. Either way
 a model built on meta that still holds anything on meta is refused (`check_complete`). Each
 refusal is a CacheMiss naming what differs; the loader then drops the model.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from vllm.model_executor.model_loader import utils as vllm_utils
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from . import vllm_state
+from . import vllm_preprocessed, vllm_state
 from .client import Weights, fit_error
 from .errors import CacheMiss
 
@@ -37,14 +40,18 @@ def prepare(model: torch.nn.Module, weights: Weights, model_config, device: torc
             vllm_utils.process_weights_after_loading(model, model_config, device)
         check_complete(model, engine)
         return
-    from vllm.model_executor.utils import weights_already_processed
     install_processed(model, weights, engine)
     complete(modules, engine, device)
     recorded = vllm_state.per_module(engine["signature"])
-    told = _mark_processed_online_layers(model, recorded)
+    hook = vllm_preprocessed.has_hook()
+    told = _mark_processed_online_layers(model, recorded) if hook else []
     try:
-        with set_default_torch_dtype(model_config.dtype), weights_already_processed():
-            vllm_utils.process_weights_after_loading(model, model_config, device)
+        changed = vllm_preprocessed.take_over(model, hook)
+        try:
+            with set_default_torch_dtype(model_config.dtype), _pre_processed(hook):
+                vllm_utils.process_weights_after_loading(model, model_config, device)
+        finally:
+            vllm_preprocessed.restore(changed)
     except RuntimeError as e:       # a quant method without a pre-processed pass
         raise CacheMiss(f"vLLM cannot install processed weights here: {e}", "serve it without fast-start") from None
     finally:
@@ -56,6 +63,15 @@ def prepare(model: torch.nn.Module, weights: Weights, model_config, device: torc
     if differs:
         raise CacheMiss("vLLM's pre-processed pass left other state than the fill's processing: " + "; ".join(differs),
                         "report this with your vLLM version; the default loader is used meanwhile")
+
+
+def _pre_processed(hook: bool):
+    """vLLM's pre-processed pass where it has one; without it every layer is finished by
+    `vllm_preprocessed.take_over`."""
+    if not hook:
+        return contextlib.nullcontext()
+    from vllm.model_executor.utils import weights_already_processed
+    return weights_already_processed()
 
 
 def install_processed(model: torch.nn.Module, weights: Weights, engine: dict) -> None:
@@ -75,6 +91,7 @@ def install_processed(model: torch.nn.Module, weights: Weights, engine: dict) ->
         owner, _, leaf = name.rpartition(".")
         module, tensor = modules[owner], weights[name]
         if name in buffers:
+            module._parameters.pop(leaf, None)
             module._buffers[leaf] = tensor.clone()
             continue
         param = made.get(id(tensor))
@@ -87,6 +104,7 @@ def install_processed(model: torch.nn.Module, weights: Weights, engine: dict) ->
             del module._parameters[leaf]
         elif leaf in module.__dict__:
             delattr(module, leaf)
+        module._buffers.pop(leaf, None)     # a buffer processing turned into a parameter (KV-cache scales)
         module._parameters[leaf] = param
     for name in removed:
         owner, _, leaf = name.rpartition(".")

@@ -39,6 +39,9 @@ RULES = {r.quantization: r for r in (
          "need an all-reduce across the TP group, which a one-rank fill cannot do"),
     Rule("fp8_per_tensor", True, 1, "online per-tensor FP8: its amax is all-reduced across the TP group at TP > 1"),
     Rule("fp8_per_block", False, None, "online block FP8 has not been verified against vLLM's default loader"),
+    Rule("compressed-tensors", True, None, "compressed-tensors checkpoints (NVFP4 W4A16 and W4A4 verified): cached "
+         "after vLLM's processing; layers whose kernel vLLM's pre-processed pass cannot finish (Marlin's FP4 "
+         "repack) are finished by fast-start, their per-process workspace made in each engine"),
 )}
 
 

@@ -4,8 +4,8 @@ Both the fill worker (which runs vLLM's own loader and processing for one rank) 
 plugin (which installs those tensors into a weightless model) describe their model the same way,
 and the plugin refuses the cache where the two differ:
 
-- the **kernel plan** is every quantized module's quant method, the kernel objects it chose at
-  construction and the flags that chose them (`fp8_linear`, `use_marlin`, `block_quant`, the MoE
+- the **kernel plan** is every quantized module's quant method (and compressed-tensors' scheme),
+  the kernel objects it chose at construction and the flags that chose them (`fp8_linear`, `use_marlin`, `block_quant`, the MoE
   backend...). Kernels are picked before any weight exists, so the engine compares its plan with
   the fill's before it touches the cache: another GPU generation, another backend variable or
   another library version shows up here.
@@ -32,6 +32,7 @@ import torch
 _MODULE_KEYS = frozenset(vars(torch.nn.Module()))       # torch's own bookkeeping on every module
 _NESTED = re.compile(r"(Kernel|Method|Experts)$")     # objects whose own state is recorded too
 _SCALARS = (bool, int, float, str, type(None))
+_SCHEME = "scheme"      # compressed-tensors keeps each layer's scheme, and its kernel, on the layer
 ATTR_LIMIT = 256      # elements of a tensor attribute recorded by value
 
 
@@ -57,7 +58,7 @@ def _state(obj, prefix: str, out: dict, depth: int) -> None:
             continue
         out[prefix + key] = describe(value)
         if (depth and not isinstance(value, torch.nn.Module) and hasattr(value, "__dict__")
-                and _NESTED.search(type(value).__name__)):      # vLLM's, or a plugin's
+                and (_NESTED.search(type(value).__name__) or key == _SCHEME)):      # vLLM's, or a plugin's
             _state(value, f"{prefix}{key}.", out, depth - 1)
 
 
@@ -80,6 +81,10 @@ def kernel_plan(model: torch.nn.Module) -> dict:
         if method is not None:
             state = {"quant_method": describe(method)}
             _state(method, "quant_method.", state, 2)
+            scheme = vars(module).get(_SCHEME)
+            if scheme is not None:
+                state[_SCHEME] = describe(scheme)
+                _state(scheme, _SCHEME + ".", state, 2)
             per_module[name] = state
     return _grouped(per_module)
 
