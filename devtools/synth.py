@@ -22,6 +22,10 @@ MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qw
                "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 FP8_SCHEMES = {"tensor": (fp8.to_fp8, "_scale"), "channel": (fp8.to_fp8_channel, "_scale"),
                "block": (fp8.to_fp8_block, "_scale_inv")}
+# NVFP4 checkpoints as their producers write them: compressed-tensors weight-only ("ct-w4a16") or
+# with activations ("ct-w4a4"), and NVIDIA ModelOpt ("modelopt").
+FP4_FORMATS = ("ct-w4a16", "ct-w4a4", "modelopt")
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class Shape:
                          self.head_dim, self.intermediate_size, self.vocab_size, self.tie_word_embeddings,
                          self.num_experts, self.moe_intermediate_size or self.intermediate_size, sparse)
 
-    def config(self, fp8: str | None = None) -> dict:
+    def config(self, fp8: str | None = None, fp4: str | None = None) -> dict:
         c = {"architectures": [self.architecture], "model_type": MODEL_TYPES[self.architecture],
              "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
              "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
@@ -61,9 +65,16 @@ class Shape:
             c["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                         **({"weight_block_size": [128, 128]} if fp8 == "block" else {})}
             if self.num_experts:    # routers stay in the model dtype (as real FP8 MoE checkpoints say)
-                gate = "mlp.gate" if self.architecture == "Qwen3MoeForCausalLM" else "block_sparse_moe.gate"
-                c["quantization_config"]["ignored_layers"] = [f"model.layers.{i}.{gate}" for i in range(self.num_layers)]
+                c["quantization_config"]["ignored_layers"] = self._router_names()
+        if fp4:
+            c["quantization_config"] = fp4_config(fp4, self._router_names())
         return c
+
+    def _router_names(self) -> list[str]:
+        if not self.num_experts:
+            return []
+        gate = "mlp.gate" if self.architecture == "Qwen3MoeForCausalLM" else "block_sparse_moe.gate"
+        return [f"model.layers.{i}.{gate}" for i in range(self.num_layers)]
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -99,9 +110,10 @@ def llama_of_size(nbytes: int, hidden_size: int = 2048) -> Shape:
 
 
 def write_checkpoint(folder: str | Path, shape: Shape = Shape(), *, files: int = 1, fp8: str | None = None,
-                     seed: int = 0, progress: Callable[[int, int], None] | None = None,
+                     fp4: str | None = None, seed: int = 0, progress: Callable[[int, int], None] | None = None,
                      reuse: bool = False) -> Path:
     """Write config.json and `files` safetensors shards (with an index when more than one).
+    `fp8` (a FP8_SCHEMES key) or `fp4` (one of FP4_FORMATS) quantizes the linear weights.
 
     `reuse` draws one random tensor per distinct shape and repeats it in every layer: much faster
     for benchmark-sized models, whose speed does not depend on the values.
@@ -116,29 +128,87 @@ def write_checkpoint(folder: str | Path, shape: Shape = Shape(), *, files: int =
         fname = "model.safetensors" if files == 1 else f"model-{i + 1:05d}-of-{files:05d}.safetensors"
         tensors = {}
         for name in names[i * per_file:(i + 1) * per_file]:
-            quantized = bool(fp8) and quant.is_quantized(name)
+            quantized = bool(fp8 or fp4) and quant.is_quantized(name)
             key = (shape.tensor_shape(name), name.endswith("norm.weight"), quantized)
-            pair = drawn.get(key)
-            if pair is None:
+            made = drawn.get(key)
+            if made is None:
                 t = _random(key[0], name, gen)
-                pair = FP8_SCHEMES[fp8][0](t) if quantized else (t, None)
+                if not quantized:
+                    made = {"": t}
+                elif fp8:
+                    q, scale = FP8_SCHEMES[fp8][0](t)
+                    made = {"": q, FP8_SCHEMES[fp8][1]: scale}
+                else:
+                    made = nvfp4_tensors(t, fp4)
                 if reuse:
-                    drawn[key] = pair
+                    drawn[key] = made
             else:       # a reused tensor: safetensors refuses tensors that share memory
-                pair = tuple(x.clone() if x is not None else None for x in pair)
-            t, scale = pair
-            done += t.numel() * 2
-            tensors[name] = t
-            if quantized:
-                tensors[name + FP8_SCHEMES[fp8][1]] = scale
+                made = {k: x.clone() for k, x in made.items()}
+            done += _numel(key[0]) * 2
+            base = name.removesuffix("weight") if quantized and fp4 else name
+            tensors.update({base + suffix: x for suffix, x in made.items()})
         save_file(tensors, str(folder / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in tensors})
         if progress:
             progress(done, total)
     if files > 1:
         (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
-    (folder / "config.json").write_text(json.dumps(shape.config(fp8), indent=1))
+    (folder / "config.json").write_text(json.dumps(shape.config(fp8, fp4), indent=1))
     return folder
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 of a 2-D weight: (E2M1 codes packed two per byte, low nibble first: uint8 [o, i/2];
+    e4m3 scales of each block of 16: [o, i/16]; the global scale 448·6 / amax, f32 [1]), with
+    `w ≈ E2M1[code] · scale / global`."""
+    w = w.float()
+    o, i = w.shape
+    blocks = w.reshape(o, i // 16, 16)
+    amax = blocks.abs().amax(-1).clamp(min=1e-8)
+    global_scale = 448.0 * 6.0 / w.abs().max().clamp(min=1e-8)
+    scale = (amax / 6.0 * global_scale).clamp(max=448.0).to(torch.float8_e4m3fn)
+    x = blocks / (scale.float() / global_scale).clamp(min=1e-12).unsqueeze(-1)
+    code = (x.abs().unsqueeze(-1) - E2M1).abs().argmin(-1) | ((x < 0).to(torch.int64) << 3)
+    code = code.reshape(o, i).to(torch.uint8)
+    return code[:, 0::2] | (code[:, 1::2] << 4), scale, global_scale.reshape(1)
+
+
+def nvfp4_tensors(w: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint of format `fmt` stores for linear weight `w`, by suffix of its
+    module's name ("weight_packed", "weight_scale", ...)."""
+    packed, scale, global_scale = nvfp4(w)
+    input_global = torch.tensor([448.0 * 6.0 / 4.0])    # activations of amax 4
+    if fmt == "modelopt":     # ModelOpt stores the dequantization multipliers (1 / global scale)
+        return {"weight": packed, "weight_scale": scale, "weight_scale_2": (1.0 / global_scale).reshape(()),
+                "input_scale": (1.0 / input_global).reshape(())}
+    out = {"weight_packed": packed, "weight_scale": scale, "weight_global_scale": global_scale}
+    if fmt == "ct-w4a4":
+        out["input_global_scale"] = input_global
+    return out
+
+
+def fp4_config(fmt: str, ignored: list[str]) -> dict:
+    """config.json's `quantization_config` for an FP4 format (lm_head and routers left unquantized)."""
+    if fmt not in FP4_FORMATS:
+        raise ValueError(f"unknown FP4 format {fmt!r}: use one of {', '.join(FP4_FORMATS)}")
+    if fmt == "modelopt":
+        return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                "exclude_modules": ["lm_head", *ignored]}
+    tensor_group = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+                    "symmetric": True, "dynamic": False, "observer": "minmax", "actorder": None,
+                    "block_structure": None}
+    activations = {**tensor_group, "dynamic": "local"} if fmt == "ct-w4a4" else None
+    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": tensor_group,
+                                          "input_activations": activations, "output_activations": None}},
+            "ignore": ["lm_head", *ignored], "quantization_status": "compressed", "kv_cache_scheme": None}
 
 
 def cached(root: str | Path, shape: Shape, name: str | None = None, **kw) -> Path:

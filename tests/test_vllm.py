@@ -889,3 +889,86 @@ def test_tp2_pp2_stages_are_served_by_four_daemons(tmp_path, checkpoints):
     stages = [{n.split(".layers.")[1].split(".")[0] for n in r["as_loaded"] if ".layers." in n} for r in got["ranks"]]
     assert stages == [{"0"}, {"0"}, {"1"}, {"1"}]
     assert "for rank 3 of 4 from the cache" in log
+
+
+# --- FP4: NVFP4 checkpoints, processed once in the fill -------------------------------------------
+#
+# vLLM's CPU build has no NVFP4 kernel: tests/plugins/emulated_nvfp4.py stands in for Marlin
+# (W4A16: a repack, scales in the model dtype, a per-process workspace every GEMM writes) and
+# makes vLLM's own emulation kernel available for W4A4. Neither kernel has vLLM's pre-processed
+# pass: fast-start finishes those layers itself.
+
+FP4_FORMATS = ("ct-w4a16", "ct-w4a4")
+
+
+@pytest.fixture(scope="module")
+def fp4_checkpoints(work):
+    return {fmt: synth.write_checkpoint(work / f"qwen3-{fmt}", SHAPES["qwen3"], seed=3, fp4=fmt) for fmt in FP4_FORMATS}
+
+
+@pytest.fixture(scope="module")
+def fp4_reference(work, fp4_checkpoints):
+    return {fmt: run_engine(work / f"default-{fmt}.log", path, env=PLUGINS)[0] for fmt, path in fp4_checkpoints.items()}
+
+
+@pytest.fixture(scope="module")
+def fp4_cache(work, fp4_checkpoints):
+    run = work / "run-fp4"
+    config = write_config(work / "fp4.toml", run, [vllm_model(fmt, path, [0]) for fmt, path in fp4_checkpoints.items()],
+                          arena_chunk="256KiB")
+    daemon = Daemon(work, config, 0, env=PLUGINS).wait_ready()
+    yield run
+    daemon.stop()
+
+
+@pytest.mark.parametrize("fmt", FP4_FORMATS)
+@pytest.mark.parametrize("mode", ["zero_copy", "copy"])
+def test_nvfp4_engine_installs_the_fills_processed_weights(work, fp4_checkpoints, fp4_reference, fp4_cache, fmt, mode):
+    """Every parameter and buffer after processing, every tensor attribute (the workspace
+    included) and the tokens are the default loader's; in zero_copy every parameter stays mapped
+    and no tensor attribute is (the workspace is this engine's own)."""
+    got, log = run_engine(work / f"fs-{fmt}-{mode}.log", fp4_checkpoints[fmt], 1, "fast_start",
+                          {"socket_dir": str(fp4_cache), "fallback": False, "mode": mode}, env=PLUGINS)
+    want = fp4_reference[fmt]
+    assert got["tokens"] == want["tokens"]
+    (g,), (w,) = got["ranks"], want["ranks"]
+    assert g["final"] == w["final"] and g["attrs"] == w["attrs"]
+    assert g["source"] == "cache" and "processed) for rank" in log
+    assert g["attrs_in_arena"] == []
+    if fmt == "ct-w4a16":
+        assert any(n.endswith("qkv_proj.workspace") for n in g["attrs"])
+        assert "repacked" not in log
+    if mode == "zero_copy":
+        assert g["final_outside_arena"] == []
+
+
+def test_two_engines_generating_at_once_from_one_cache_each_use_their_own_workspace(work, fp4_checkpoints,
+                                                                                    fp4_reference, fp4_cache):
+    """The Marlin stand-in takes its workspace's lock in every GEMM and fails if it is held (and
+    a workspace mapped read-only from the cache would fault on the first write): two zero_copy
+    engines generating at the same time both get the default loader's tokens."""
+    path = fp4_checkpoints["ct-w4a16"]
+    procs = []
+    for i in (0, 1):
+        out = work / f"fs-pair-{i}.json"
+        args = {"model": str(path), "tp": 1, "load_format": "fast_start", "out": str(out),
+                "extra": {"socket_dir": str(fp4_cache), "fallback": False}, "dtype": "bfloat16"}
+        log = open(work / f"fs-pair-{i}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, str(ENGINE), json.dumps(args)], stdout=log,
+                                       stderr=subprocess.STDOUT, env={**os.environ, **ENV, **PLUGINS}), out, log))
+    for proc, out, log in procs:
+        assert proc.wait(timeout=600) == 0, (work / Path(log.name).name).read_text()[-4000:]
+        log.close()
+        got = json.loads(out.read_text())
+        assert got["tokens"] == fp4_reference["ct-w4a16"]["tokens"]
+        assert got["ranks"][0]["source"] == "cache" and got["ranks"][0]["attrs_in_arena"] == []
+
+
+def test_an_fp4_engine_whose_kernel_family_differs_from_the_fills_misses_naming_both(work, fp4_checkpoints,
+                                                                                    fp4_cache):
+    """Filled with vLLM's emulation kernel for W4A4; this engine picks the Marlin stand-in."""
+    got, log = run_engine(work / "fs-w4a4-marlin.log", fp4_checkpoints["ct-w4a4"], 1, "fast_start",
+                          {"socket_dir": str(fp4_cache)}, env={**PLUGINS, "FAST_START_TEST_FP4": "marlin-first"})
+    assert got["ranks"][0]["source"] is None and "loading with vLLM's default loader" in log
+    line = next(x for x in log.splitlines() if "this engine chose other kernels than the fill" in x)
+    assert "EmulationNvFp4LinearKernel" in line and "EmulatedMarlin" in line

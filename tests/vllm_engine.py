@@ -103,8 +103,11 @@ def report(config, model: torch.nn.Module) -> dict:
     mapped = arenas()
     now_outside = [n for n, p in model.named_parameters()
                    if not any(lo <= p.data_ptr() and p.data_ptr() + p.nbytes <= hi for lo, hi in mapped)]
+    attrs_mapped = [f"{name}.{key}" for name, module in model.named_modules() for key, v in vars(module).items()
+                    if isinstance(v, torch.Tensor) and v.numel()
+                    and any(lo <= v.data_ptr() < hi for lo, hi in mapped)]
     return {"rank": rank, "as_loaded": as_loaded, "final": final, "outside_arena": outside,
-            "final_outside_arena": now_outside,
+            "final_outside_arena": now_outside, "attrs_in_arena": attrs_mapped,
             "attrs": tensor_attrs(model), "reload": reload_record(model),
             "source": getattr(model, "fast_start_source", None), "external_bytes": external}
 
