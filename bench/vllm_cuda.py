@@ -1,12 +1,14 @@
 """vLLM's CUDA build on one GPU: the default loader against fast-start's cache, side by side.
 
-    python -m bench.vllm_cuda OUTDIR [MODEL ...]      (models: qwen3-bf16 qwen3-fp8 moe-fp8)
+    python -m bench.vllm_cuda OUTDIR [MODEL ...]      (models: MODELS' keys)
 
 For each model: a CUDA daemon filled by vLLM itself (layout "vllm", engine_version "auto"), then
 engines as fresh processes: vLLM's default loader, `fast_start` zero_copy and copy. Writes
 OUTDIR/summary.json (tokens equal, parameters inside PyTorch's allocator, digests, vLLM's
-"Model loading took" and "Available KV cache memory" lines) and every process's log, and prints each model's engines by
-loader (medians of `Model loading took` and `LLM(...)`, the default loader's median over each).
+"Model loading took" and "Available KV cache memory" lines, the seconds vLLM's
+`process_weights_after_loading` took) and every process's log, and prints each model's engines
+by loader (medians of `Model loading took`, of the processing and of `LLM(...)`, the default
+loader's median over each).
 Needs vLLM's CUDA build importable.
 """
 from __future__ import annotations
@@ -35,8 +37,13 @@ MOE = synth.Shape(architecture="Qwen3MoeForCausalLM", hidden_size=1024, num_laye
 # The shape of Qwen3-8B (16.4 GB in bf16), random weights.
 QWEN3_8B = synth.Shape(architecture="Qwen3ForCausalLM", hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
                        head_dim=128, intermediate_size=12288, vocab_size=151936)
-MODELS = {"qwen3-bf16": (DENSE, None), "qwen3-fp8": (DENSE, "block"), "moe-fp8": (MOE, "block"),
-          "qwen3-8b": (QWEN3_8B, None)}
+# The shape of Qwen3-14B: 10.5 GB as NVFP4 (linear layers 4 bits and a scale per 16, embeddings bf16).
+QWEN3_14B = synth.Shape(architecture="Qwen3ForCausalLM", hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=8,
+                        head_dim=128, intermediate_size=17408, vocab_size=151936)
+MODELS = {"qwen3-bf16": (DENSE, {}), "qwen3-fp8": (DENSE, {"fp8": "block"}), "moe-fp8": (MOE, {"fp8": "block"}),
+          "qwen3-8b": (QWEN3_8B, {}), "qwen3-nvfp4": (DENSE, {"fp4": "ct-w4a16"}),
+          "moe-nvfp4": (MOE, {"fp4": "ct-w4a16"}), "qwen3-nvfp4-a4": (DENSE, {"fp4": "ct-w4a4"}),
+          "qwen3-nvfp4-modelopt": (DENSE, {"fp4": "modelopt"}), "qwen3-14b-nvfp4": (QWEN3_14B, {"fp4": "ct-w4a16"})}
 # FAST_START_BENCH_PROFILE=1: each engine with vLLM's model loading under cProfile
 # (OUT/<engine>.profile.txt; the engine core then runs in-process).
 PROFILE = os.environ.get("FAST_START_BENCH_PROFILE") == "1"
@@ -107,8 +114,8 @@ def table(name: str, r: dict) -> Table:
     """One model's engines by loader: `Model loading took` and `LLM(...)` (medians, ranges), the
     default loader's median over each loader's, and how many engines matched its tokens and digest."""
     out = Table(title=f"{name}: vLLM {r.get('vllm', '')} engines, fresh processes")
-    for col in ("loader", "engines", "Model loading took s", "range s", "default / this", "LLM(...) s",
-                "same tokens", "same digest"):
+    for col in ("loader", "engines", "Model loading took s", "range s", "default / this", "processing s",
+                "LLM(...) s", "same tokens", "same digest"):
         out.add_column(col, justify="right")
     by = {}
     for label, e in r.items():
@@ -118,13 +125,16 @@ def table(name: str, r: dict) -> Table:
     for loader, engines in by.items():
         took = [x for e in engines if (x := seconds(e["loading"])) is not None]
         llm = [e["llm_s"] for e in engines if "llm_s" in e]
+        processing = [e["processing_s"] for e in engines if e.get("processing_s") is not None]
         if not took:
-            out.add_row(loader, str(len(engines)), "failed", "", "", "", "", "")
+            out.add_row(loader, str(len(engines)), "failed", "", "", "", "", "", "")
             continue
         mid, failed = statistics.median(took), len(engines) - len(took)
         out.add_row(loader, f"{len(took)}" + (f" ({failed} failed)" if failed else ""), f"{mid:.3f}",
                     f"{min(took):.3f}-{max(took):.3f}",
-                    f"{base / mid:.1f}x" if base else "", f"{statistics.median(llm):.2f}" if llm else "",
+                    f"{base / mid:.1f}x" if base else "",
+                    f"{statistics.median(processing):.3f}" if processing else "",
+                    f"{statistics.median(llm):.2f}" if llm else "",
                     "" if loader == "default" else f"{sum(bool(e.get('same_tokens')) for e in engines)}/{len(engines)}",
                     "" if loader == "default" else f"{sum(bool(e.get('same_digest')) for e in engines)}/{len(engines)}")
     return out
@@ -165,11 +175,11 @@ def main() -> None:
     chosen = sys.argv[2:] or list(MODELS)
     paths = {}
     for name in chosen:
-        shape, fp8 = MODELS[name]
+        shape, quantized = MODELS[name]
         paths[name] = WORK / name
         if not (paths[name] / "config.json").exists():
             big = shape.nbytes() > 2**30
-            synth.write_checkpoint(paths[name], shape, fp8=fp8, seed=7, files=4 if big else 1, reuse=big)
+            synth.write_checkpoint(paths[name], shape, seed=7, files=4 if big else 1, reuse=big, **quantized)
     summary = {"vllm": vllm.__version__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
                "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}
     warm = WORK / "warmup"

@@ -5,7 +5,9 @@
 Reports greedy tokens for fixed prompts, a digest of every parameter and buffer, the parameters
 whose memory lies inside PyTorch's CUDA allocator (`torch.cuda.memory_snapshot` segments: a
 zero-copy parameter lies in a mapped arena instead), the weights' source, the loader's stage and
-the attention backend modules the engine imported. `"sleep": 1` or `2` runs the engine with
+the attention backend modules the engine imported, and the seconds vLLM's
+`process_weights_after_loading` took (`processing_s`, the GPU synchronized around it; with
+FAST_START_BENCH_INPROC=1, which runs the engine core in this process). `"sleep": 1` or `2` runs the engine with
 `enable_sleep_mode`, then sleeps and wakes it at that level (level 2 reloads the weights with
 `reload_weights` between waking them and the KV cache), `"reload": true` runs `reload_weights`:
 the tokens and the digest are then taken again (`after`). `"gpu_memory_utilization"` (default 0.3).
@@ -21,13 +23,32 @@ import sys
 import time
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")     # apply_model sends a function
-if json.loads(sys.argv[1]).get("profile"):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+if json.loads(sys.argv[1]).get("profile") or os.environ.get("FAST_START_BENCH_INPROC") == "1":
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # the engine core here: its loading is profiled, timed
 
 import torch
 from vllm import LLM, SamplingParams
+from vllm.model_executor.model_loader import base_loader, utils as loader_utils
 
 PROMPTS = [[1, 17, 230, 45, 901, 3], [1, 500, 501, 502], [1, 7]]
+PROCESSING: list[float] = []     # seconds each call of vLLM's process_weights_after_loading took, synchronized
+
+
+def timed(process):
+    def run(model, model_config, target_device):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            return process(model, model_config, target_device)
+        finally:
+            torch.cuda.synchronize()
+            PROCESSING.append(time.perf_counter() - start)
+    return run
+
+
+# Module level: an engine core spawned as a process imports this file again (as __mp_main__).
+loader_utils.process_weights_after_loading = base_loader.process_weights_after_loading = timed(
+    loader_utils.process_weights_after_loading)
 
 
 def report(model: torch.nn.Module) -> dict:
@@ -42,7 +63,8 @@ def report(model: torch.nn.Module) -> dict:
     backends = sorted(m for m in sys.modules if m.startswith("vllm.v1.attention.backends."))
     return {"digest": h.hexdigest()[:24], "inside_allocator": inside[:20], "inside_count": len(inside),
             "attention_modules": backends,
-            "params": sum(1 for _ in model.parameters()), "source": getattr(model, "fast_start_source", None)}
+            "params": sum(1 for _ in model.parameters()), "source": getattr(model, "fast_start_source", None),
+            "processing_s": round(sum(PROCESSING), 4) if PROCESSING else None}
 
 
 def profiled(out: str) -> None:
