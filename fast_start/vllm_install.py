@@ -1,7 +1,7 @@
 """Installing cached tensors into vLLM's weightless model, and bringing it to vLLM's runtime state.
 
-`prepare` is the plugin's step 3 (`vllm.py`): it compares the engine's kernel plan with the
-fill's, then for stage "loaded" points the parameters at the cache (`install`), gives a model
+`prepare` is the plugin's step 3 (`vllm.py`): it compares the engine's kernel libraries, GPU
+and kernel plan with the fill's, then for stage "loaded" points the parameters at the cache (`install`), gives a model
 built on meta what the fill recorded by value and mends vLLM's reload record (`complete`), and
 runs vLLM's processing; for stage "processed" it installs every parameter and buffer of the
 fill's processed model (`install_processed`), runs vLLM's pre-processed pass (layers it cannot
@@ -27,6 +27,11 @@ def prepare(model: torch.nn.Module, weights: Weights, model_config, device: torc
     """Install `weights` into the weightless `model` and bring it to vLLM's runtime state; raises
     CacheMiss where the fill's kernels or resulting state differ from this engine's."""
     engine = weights.engine
+    if "kernels" in engine:
+        differs = vllm_state.environment_differences(engine["kernels"], vllm_state.kernel_environment(device))
+        if differs:
+            raise CacheMiss("this engine's kernel libraries or GPU differ from the fill's: " + "; ".join(differs),
+                            "fill from the engine's environment (the model's python), on this GPU")
     if "plan" in engine:
         differs = vllm_state.differences(engine["plan"], vllm_state.kernel_plan(model))
         if differs:

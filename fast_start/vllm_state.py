@@ -8,7 +8,8 @@ and the plugin refuses the cache where the two differ:
   the kernel objects it chose at construction and the flags that chose them (`fp8_linear`, `use_marlin`, `block_quant`, the MoE
   backend...). Kernels are picked before any weight exists, so the engine compares its plan with
   the fill's before it touches the cache: another GPU generation, another backend variable or
-  another library version shows up here.
+  another library version shows up here. The kernel libraries' versions and the GPU's
+  properties processing may read (`kernel_environment`) are compared first.
 - the **attribute signature** is every module's Python-side state after processing (attribute
   names, types, small values, tensor dtypes and shapes), quant methods and kernels included. The
   engine takes it after vLLM's pre-processed pass: state that pass does not rebuild shows up here.
@@ -87,6 +88,35 @@ def kernel_plan(model: torch.nn.Module) -> dict:
                 _state(scheme, _SCHEME + ".", state, 2)
             per_module[name] = state
     return _grouped(per_module)
+
+
+# Packages of kernels whose version may change how vLLM lays out processed weights (vLLM itself
+# is the fingerprint's `engine_version`).
+KERNEL_LIBRARIES = ("flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache", "humming-kernels",
+                    "deep-gemm", "nvidia-cutlass-dsl")
+
+
+def kernel_environment(device: torch.device) -> dict[str, str]:
+    """The kernel libraries installed here (by distribution name, with their versions) and what
+    processing may read from the GPU: its name, compute capability and SM count (Marlin sizes
+    its workspace by the SMs)."""
+    from importlib import metadata
+    out = {}
+    for dist in KERNEL_LIBRARIES:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        out["gpu"] = f"{p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs"
+    return out
+
+
+def environment_differences(cached: dict[str, str], own: dict[str, str]) -> list[str]:
+    """"name cached -> own" for each kernel library or GPU property that differs."""
+    return [f"{k} {cached.get(k, 'none')} -> {own.get(k, 'none')}" for k in sorted(set(cached) | set(own))
+            if cached.get(k) != own.get(k)]
 
 
 def signature(model: torch.nn.Module) -> dict:

@@ -972,3 +972,18 @@ def test_an_fp4_engine_whose_kernel_family_differs_from_the_fills_misses_naming_
     assert got["ranks"][0]["source"] is None and "loading with vLLM's default loader" in log
     line = next(x for x in log.splitlines() if "this engine chose other kernels than the fill" in x)
     assert "EmulationNvFp4LinearKernel" in line and "EmulatedMarlin" in line
+
+
+def test_a_kernel_library_the_fill_had_and_the_engine_lacks_is_a_miss_naming_it(tmp_path, fp4_checkpoints, daemons):
+    """A kernel package's version decides the processed layout it makes (Humming, FlashInfer):
+    the fill records the versions installed where it ran, and an engine with others misses."""
+    extra = tmp_path / "site"
+    (extra / "humming_kernels-0.1.0.dist-info").mkdir(parents=True)
+    (extra / "humming_kernels-0.1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: humming-kernels\nVersion: 0.1.0\n")
+    path, run = fp4_checkpoints["ct-w4a16"], tmp_path / "run"
+    daemons(write_config(tmp_path / "fs.toml", run, [vllm_model("q", path, [0])]),
+            env={"PYTHONPATH": os.pathsep.join([str(extra), PLUGINS["PYTHONPATH"]])})
+    got, log = run_engine(tmp_path / "fs.log", path, 1, "fast_start", {"socket_dir": str(run)}, env=PLUGINS)
+    assert got["ranks"][0]["source"] is None and "loading with vLLM's default loader" in log
+    assert "kernel libraries or GPU differ from the fill's: humming-kernels 0.1.0 -> none" in log
