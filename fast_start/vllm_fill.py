@@ -55,13 +55,13 @@ def stage_for(device: str, quantization: str, model: torch.nn.Module) -> str:
     on any version); "loaded" otherwise, and for unquantized models on the CPU."""
     if device == "cpu" and quantization == "none":
         return "loaded"
-    if vllm_preprocessed.has_hook() or vllm_preprocessed.processed_without_hook(model):
+    hook = vllm_preprocessed.has_hook()
+    if quantization in FP4 and (layers := vllm_preprocessed.unfinished(model, hook)):
+        raise FastStartError(f"neither vLLM {'' if hook else '(no pre-processed pass here) '}nor fast-start can "
+                             f"finish {len(layers)} of this model's layers over processed weights "
+                             f"({', '.join(layers[:3])}): every engine would miss", "serve it without fast-start")
+    if hook or vllm_preprocessed.processed_without_hook(model):
         return "processed"
-    if quantization in FP4:
-        layers = vllm_preprocessed.unfinished(model, False)
-        raise FastStartError(f"this vLLM has no pre-processed pass, and fast-start cannot finish {len(layers)} "
-                             f"of its FP4 layers over processed weights ({', '.join(layers[:3])})",
-                             "serve it without fast-start, or with vLLM 0.30 or later")
     return "loaded"
 
 
