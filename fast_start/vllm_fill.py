@@ -194,9 +194,9 @@ def _fill(spec: WeightSpec, want, config, device: str, progress, chunk: int) -> 
         loader.counter_before_loading_weights = time.perf_counter()
         loader.load_weights(model, model_config)
         attrs = vllm_state.small_attrs(model)     # as the engine's model holds them before processing
-        engine = {"engine": "vllm", "stage": stage, "plan": plan, "attention": attention,
-                  "kernels": vllm_state.kernel_environment(target)}
-        if stage == "processed":
+        engine = {"engine": "vllm", "stage": stage, "plan": plan, "attention": attention}
+        if stage == "processed":       # what the kernels made here is cached: their libraries and GPU too
+            engine["kernels"] = vllm_state.kernel_environment(target)
             with set_default_torch_dtype(model_config.dtype):
                 loader_utils.process_weights_after_loading(model, model_config, target)
             named = [*_params(model), *model.named_buffers()]

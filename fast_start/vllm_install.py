@@ -1,9 +1,9 @@
 """Installing cached tensors into vLLM's weightless model, and bringing it to vLLM's runtime state.
 
-`prepare` is the plugin's step 3 (`vllm.py`): it compares the engine's kernel libraries, GPU
-and kernel plan with the fill's, then for stage "loaded" points the parameters at the cache (`install`), gives a model
-built on meta what the fill recorded by value and mends vLLM's reload record (`complete`), and
-runs vLLM's processing; for stage "processed" it installs every parameter and buffer of the
+`prepare` is the plugin's step 3 (`vllm.py`): it compares the engine's kernel plan (and, for
+stage "processed", its kernel libraries and GPU) with the fill's, then for stage "loaded" points
+the parameters at the cache (`install`), gives a model built on meta what the fill recorded by
+value and mends vLLM's reload record (`complete`), and runs vLLM's processing; for stage "processed" it installs every parameter and buffer of the
 fill's processed model (`install_processed`), runs vLLM's pre-processed pass (layers it cannot
 finish, FP4 kernels among them, are finished by `vllm_preprocessed`), mends the gaps that pass
 leaves (`mend_gaps`) and compares the attribute signature with the fill's. Either way
