@@ -200,7 +200,7 @@ def fp4_config(fmt: str, ignored: list[str]) -> dict:
         raise ValueError(f"unknown FP4 format {fmt!r}: use one of {', '.join(FP4_FORMATS)}")
     if fmt == "modelopt":
         return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
-                "exclude_modules": ["lm_head", *ignored]}
+                "ignore": ["lm_head", *ignored]}     # config.json's key ("exclude_modules" in hf_quant_config.json)
     tensor_group = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
                     "symmetric": True, "dynamic": False, "observer": "minmax", "actorder": None,
                     "block_structure": None}

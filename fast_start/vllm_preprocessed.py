@@ -23,6 +23,7 @@ ignores vLLM's pass.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -108,7 +109,7 @@ def finisher(module: torch.nn.Module, hook: bool) -> tuple[Callable[[torch.nn.Mo
     if own is not None:
         return own, "kernel"
     known = next((KERNELS[n] for n in _names(kernel) if n in KERNELS), None)
-    return (None, "unknown") if known is None else ((lambda layer: known(kernel, layer)), "kernel")
+    return (None, "unknown") if known is None else (functools.partial(known, kernel), "kernel")
 
 
 def unfinished(model: torch.nn.Module, hook: bool) -> list[str]:
@@ -144,7 +145,8 @@ def take_over(model: torch.nn.Module, hook: bool) -> list:
     for method in methods.values():       # a method may serve several layers: each finishes its own
         changed.append((method, dict(vars(method))))
         method.process_weights_after_loading = lambda layer: by_layer[id(layer)](layer)
-        method.supports_pre_processed_weights = True
+        if not getattr(method, "supports_pre_processed_weights", False):     # a property where it is True
+            method.supports_pre_processed_weights = True
     return changed
 
 

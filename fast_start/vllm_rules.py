@@ -64,7 +64,11 @@ def resolve(configured: str, checkpoint_quantization: dict | None) -> str:
     """The quantization vLLM will report: the configured `--quantization`, else the checkpoint's."""
     if configured != "none":
         return configured
-    method = (checkpoint_quantization or {}).get("quant_method")
+    config = checkpoint_quantization or {}
+    method = config.get("quant_method")
+    if method == "modelopt":        # vLLM names ModelOpt's methods by their algorithm
+        algo = str(config.get("quant_algo") or (config.get("quantization") or {}).get("quant_algo") or "").upper()
+        return "modelopt_fp4" if algo == "NVFP4" else "modelopt"
     return str(method) if method else "none"
 
 
