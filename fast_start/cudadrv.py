@@ -2,9 +2,9 @@
 and make a mapped range the process's own (`own`).
 
 The engine side runs these on every start. `cuda-bindings` (which the daemon and the fill worker
-use, `gpus.py` and `vmm.py`) takes 36 ms to import on the H200 machine, more than the whole
-fetch may; `libcuda.so.1` is already loaded by the engine's torch, and these few calls have
-plain C signatures. Every call's result is checked; an error names the call and its code.
+use, `gpus.py` and `vmm.py`) takes longer to import than a whole fetch may (BENCHMARKS.md);
+`libcuda.so.1` is already loaded by the engine's torch, and these few calls have plain C
+signatures. Every call's result is checked; an error names the call and its code.
 """
 from __future__ import annotations
 
@@ -102,8 +102,7 @@ def map_fd(fd: int, size: int, ordinal: int) -> int:
 
 def set_access(ptr: int, size: int, ordinal: int, readonly: bool) -> None:
     """Let GPU `ordinal` read (and unless `readonly`, write) a mapped range. Its time grows with the
-    size (0.2 ms for 4 GiB, 0.8 ms for 32 GiB on an H200), the rest of a map's does not; ctypes
-    lets other Python threads run meanwhile."""
+    size, the rest of a map's does not; ctypes lets other Python threads run meanwhile."""
     access = _AccessDesc(_LOCATION_DEVICE, ordinal, _READ if readonly else _READ_WRITE)
     _check(_driver().cuMemSetAccess(ptr, size, ctypes.byref(access), 1), "cuMemSetAccess")
 

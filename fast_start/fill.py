@@ -36,8 +36,8 @@ def worker_env(cpus_share: int) -> dict[str, str]:
     """The fill worker's environment: its share of the CPUs for torch's thread pool.
 
     Every GPU's daemon fills at boot, at once; each worker's OpenMP pool defaults to every CPU,
-    and N pools spinning on the same cores made a fill 10x slower on two H200s (1565 small
-    expert tensors: 10.6 s against 1.1 s). An OMP_NUM_THREADS set by the operator wins.
+    and N pools spinning on the same cores slow every fill several times over (most of all a
+    model of many small expert tensors). An OMP_NUM_THREADS set by the operator wins.
     """
     env = {k: v for k, v in os.environ.items() if k not in ("LISTEN_FDS", "LISTEN_FDNAMES", "LISTEN_PID")}
     if "OMP_NUM_THREADS" not in env:

@@ -109,10 +109,9 @@ def stay_awake(ready: select.poll, seconds: float) -> bool:
     """Poll `ready` without sleeping for up to `seconds`; whether it fired.
 
     For a message due within a millisecond, where a thread that sleeps on it takes longer to see it
-    (presumably as its CPU idles more deeply): on the H200 machine an engine watching for the reply
-    and a daemon watching for the request this way made the reply's wait 77-112 us shorter (medians
-    of 10) and cut its tail. Each look releases the GIL; after `seconds` the caller's blocking read
-    waits as before.
+    (presumably as its CPU idles more deeply): watching this way shortens the reply's wait and
+    cuts its tail (BENCHMARKS.md). Each look releases the GIL; after `seconds` the caller's
+    blocking read waits as before.
     """
     end = time.monotonic() + seconds
     while not ready.poll(0):

@@ -517,9 +517,8 @@ def build(vllm_config, model_config, prefix: str, device: torch.device, on_meta:
 def _build_on_meta(vllm_config, model_config, prefix: str) -> torch.nn.Module:
     """vLLM's build on meta, with vLLM's record of the model for `reload_weights` made once the meta
     device mode is left: inside it, torch's Python mode intercepts each of the record's few
-    thousand tensor calls (Qwen3-8B's shape, vLLM 0.32 on a CPU: the record took 27-35 ms of a
-    65-76 ms build inside the mode, 14-18 ms outside). The record is the same but for the device
-    it notes, which `_mend_reload_record` sets to the engine's either way."""
+    thousand tensor calls, which makes the record about twice as slow. The record is the same but
+    for the device it notes, which `_mend_reload_record` sets to the engine's either way."""
     record = getattr(vllm_utils, "record_metadata_for_reloading", None)    # absent before vLLM's layerwise reload
     built: list[torch.nn.Module] = []
     if record is not None:

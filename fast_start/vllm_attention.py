@@ -2,8 +2,7 @@
 
 Without `--attention-backend`, a vLLM process's first attention layer tries every backend its
 platform lists for the layer's inputs, importing each (flex attention, turboquant, their triton
-kernels: 36-57 ms of a 90-150 ms build of Qwen3-8B on meta, vLLM 0.26 on an H200; 2-4 ms with
-the backend named), and takes the first valid one. That choice is a function of the selector's
+kernels: a third or more of a build on meta, BENCHMARKS.md), and takes the first valid one. That choice is a function of the selector's
 arguments (head size, dtypes, KV-cache dtype, block size, MLA, sinks, ...), the GPU's compute
 capability, vLLM itself (which the fingerprint pins) and the backends' libraries the interpreter
 has (the fill runs the engine's interpreter; where it does not, a backend the engine's lacks is
