@@ -37,6 +37,7 @@ def register() -> None:
             return True, None
 
         def process_weights_after_loading(self, layer):
+            print("emulated Marlin: repacking a layer's weights", flush=True)
             n, k = layer.output_size_per_partition, layer.input_size_per_partition
             packed = layer.weight.data                                  # uint8 [n, k/2]
             codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(n, k).to(torch.int32)
