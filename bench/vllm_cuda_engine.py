@@ -7,8 +7,8 @@ whose memory lies inside PyTorch's CUDA allocator (`torch.cuda.memory_snapshot` 
 zero-copy parameter lies in a mapped arena instead), the weights' source, the loader's stage and
 the attention backend modules the engine imported, and the seconds vLLM's
 `process_weights_after_loading` took (`processing_s`, the GPU synchronized around it; with
-FAST_START_BENCH_INPROC=1, which runs the engine core in this process). `"sleep": 1` or `2` runs the engine with
-`enable_sleep_mode`, then sleeps and wakes it at that level (level 2 reloads the weights with
+FAST_START_BENCH_INPROC=1, which runs the engine core in this process). `"sleep": 1` or `2`
+runs the engine with `enable_sleep_mode`, then sleeps and wakes it at that level (level 2 reloads the weights with
 `reload_weights` between waking them and the KV cache), `"reload": true` runs `reload_weights`:
 the tokens and the digest are then taken again (`after`). `"gpu_memory_utilization"` (default 0.3).
 `"wait_for": FILE` keeps the engine generating (`meanwhile`) until FILE exists, then once more

@@ -7,6 +7,7 @@ transformers and vLLM read.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,7 +145,7 @@ def write_checkpoint(folder: str | Path, shape: Shape = Shape(), *, files: int =
                     drawn[key] = made
             else:       # a reused tensor: safetensors refuses tensors that share memory
                 made = {k: x.clone() for k, x in made.items()}
-            done += _numel(key[0]) * 2
+            done += math.prod(key[0]) * 2
             base = name.removesuffix("weight") if quantized and fp4 else name
             tensors.update({base + suffix: x for suffix, x in made.items()})
         save_file(tensors, str(folder / fname), metadata={"format": "pt"})
@@ -155,13 +156,6 @@ def write_checkpoint(folder: str | Path, shape: Shape = Shape(), *, files: int =
         (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     (folder / "config.json").write_text(json.dumps(shape.config(fp8, fp4), indent=1))
     return folder
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -3,8 +3,9 @@
 `prepare` is the plugin's step 3 (`vllm.py`): it compares the engine's kernel plan (and, for
 stage "processed", its kernel libraries and GPU) with the fill's, then for stage "loaded" points
 the parameters at the cache (`install`), gives a model built on meta what the fill recorded by
-value and mends vLLM's reload record (`complete`), and runs vLLM's processing; for stage "processed" it installs every parameter and buffer of the
-fill's processed model (`install_processed`), runs vLLM's pre-processed pass (layers it cannot
+value and mends vLLM's reload record (`complete`), and runs vLLM's processing; for stage
+"processed" it installs every parameter and buffer of the fill's processed model
+(`install_processed`), runs vLLM's pre-processed pass (layers it cannot
 finish, FP4 kernels among them, are finished by `vllm_preprocessed`), mends the gaps that pass
 leaves (`mend_gaps`) and compares the attribute signature with the fill's. Either way
 a model built on meta that still holds anything on meta is refused (`check_complete`). Each

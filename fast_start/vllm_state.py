@@ -5,10 +5,10 @@ plugin (which installs those tensors into a weightless model) describe their mod
 and the plugin refuses the cache where the two differ:
 
 - the **kernel plan** is every quantized module's quant method (and compressed-tensors' scheme),
-  the kernel objects it chose at construction and the flags that chose them (`fp8_linear`, `use_marlin`, `block_quant`, the MoE
-  backend...). Kernels are picked before any weight exists, so the engine compares its plan with
-  the fill's before it touches the cache: another GPU generation, another backend variable or
-  another library version shows up here. The kernel libraries' versions and the GPU's
+  the kernel objects it chose at construction and the flags that chose them (`fp8_linear`,
+  `use_marlin`, `block_quant`, the MoE backend...). Kernels are picked before any weight
+  exists, so the engine compares its plan with the fill's before it touches the cache: another
+  GPU generation, another backend variable or another library version shows up here. The kernel libraries' versions and the GPU's
   properties processing may read (`kernel_environment`) are compared first.
 - the **attribute signature** is every module's Python-side state after processing (attribute
   names, types, small values, tensor dtypes and shapes), quant methods and kernels included. The
