@@ -197,11 +197,14 @@ def _fill(spec: WeightSpec, want, config, device: str, progress, chunk: int) -> 
         engine = {"engine": "vllm", "stage": stage, "plan": plan, "attention": attention}
         if stage == "processed":       # what the kernels made here is cached: their libraries and GPU too
             engine["kernels"] = vllm_state.kernel_environment(target)
-            with set_default_torch_dtype(model_config.dtype):
+            with set_default_torch_dtype(model_config.dtype), vllm_preprocessed.deferred(model, target) as later:
                 loader_utils.process_weights_after_loading(model, model_config, target)
-            named = [*_params(model), *model.named_buffers()]
-            engine.update(removed=sorted(built - {n for n, _ in model.named_parameters()}),
-                          buffers=[n for n, _ in model.named_buffers()], signature=vllm_state.signature(model))
+                plain: dict[int, torch.Tensor] = {}      # one per object: tied names stay one
+                named = [(n, plain.setdefault(id(t), t.detach())) for n, t in [*_params(model), *model.named_buffers()]]
+                engine.update(removed=sorted(built - {n for n, _ in model.named_parameters()}),
+                              buffers=[n for n, _ in model.named_buffers()])
+            later()      # as the engine will, over the tensors cached as they were
+            engine["signature"] = vllm_state.signature(model)
             _meta_build(config, engine, {n for n, _ in named} | set(engine["removed"]), attrs)
             manifest, fds = export(want, named, device, engine, progress, chunk)
         else:

@@ -146,7 +146,9 @@ def mend_gaps(model: torch.nn.Module, recorded: dict[str, dict]) -> None:
 
     - `deep_gemm_warmup_provider`: the DeepGEMM kernel object, which the JIT warm-up reads (else
       kernels compile on live requests);
-    - `logical_output_size` of the per-tensor FP8 CUTLASS kernel (else the first forward asserts).
+    - `logical_output_size` of the per-tensor FP8 CUTLASS kernel (else the first forward asserts);
+    - `is_w4a16_nvfp4`, which ModelOpt's FP4 linear method (vLLM 0.32) sets after the point
+      where its pre-processed pass returns (its GEMM reads it).
 
     Each is taken from the fill's signature, and only where the engine's own kernel is the one
     the fill recorded.
@@ -158,6 +160,9 @@ def mend_gaps(model: torch.nn.Module, recorded: dict[str, dict]) -> None:
             kernel = _find_kernel(getattr(module, "quant_method", None), want)
             if kernel is not None:
                 module.deep_gemm_warmup_provider = kernel
+        flag = state.get("is_w4a16_nvfp4")
+        if flag in ("True", "False") and not hasattr(module, "is_w4a16_nvfp4"):
+            module.is_w4a16_nvfp4 = flag == "True"
         size = state.get("quant_method.fp8_linear.logical_output_size")
         kernel = getattr(getattr(module, "quant_method", None), "fp8_linear", None)
         if size not in (None, "None") and kernel is not None and getattr(kernel, "logical_output_size", 0) is None:

@@ -23,6 +23,7 @@ ignores vLLM's pass.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -31,7 +32,10 @@ import torch
 from .errors import CacheMiss
 
 OUTER = frozenset({"CompressedTensorsLinearMethod", "CompressedTensorsW4A4Fp4", "ModelOptNvFp4LinearMethod",
-                   "ModelOptNvFp4W4A16LinearMethod"})
+                   "ModelOptNvFp4W4A16LinearMethod", "ModelOptLinearMethod"})
+# Methods whose pre-processed pass returns before their kernel's processing (ModelOpt's FP4 linear
+# method in vLLM 0.32): a kernel with per-process state (Marlin's workspace) would go without it.
+SKIPS_KERNEL = frozenset({"ModelOptLinearMethod"})
 
 
 def _marlin_linear(kernel, layer: torch.nn.Module) -> None:
@@ -49,6 +53,28 @@ KERNELS: dict[str, Callable] = {
     "EmulationNvFp4LinearKernel": _own_processing,
 }
 AS_IS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")     # on CUDA; KV-cache methods anywhere
+
+
+# Methods whose processing runs in full under vLLM's pre-processed pass too, and on the CPU
+# replaces the weight (vLLM's CPU GEMM packs it into its own closure and drops it): the fill
+# leaves their processing to the engine, and caches their tensors as loaded.
+ENGINE_PROCESSES = ("UnquantizedLinearMethod",)
+
+
+@contextlib.contextmanager
+def deferred(model: torch.nn.Module, device: torch.device):
+    """Around the fill's processing: on the CPU, `ENGINE_PROCESSES` layers are skipped; yields a
+    function that processes them afterwards (once the tensors to cache are taken)."""
+    layers = [m for m in model.modules() if device.type == "cpu"
+              and _names(getattr(m, "quant_method", None)) & set(ENGINE_PROCESSES)]
+    methods = {id(m.quant_method): m.quant_method for m in layers}
+    for method in methods.values():
+        method.process_weights_after_loading = lambda layer: None
+    try:
+        yield lambda: [m.quant_method.process_weights_after_loading(m) for m in layers]
+    finally:
+        for method in methods.values():
+            del method.process_weights_after_loading
 
 
 def _kv_scales(layer: torch.nn.Module) -> None:
@@ -97,7 +123,7 @@ def finisher(module: torch.nn.Module, hook: bool) -> tuple[Callable[[torch.nn.Mo
     names = _names(method)
     if "BaseKVCacheMethod" in names and (not hook or _overrides(method, "BaseKVCacheMethod")):
         return _kv_scales, "as is"
-    if hook and getattr(method, "supports_pre_processed_weights", False):
+    if hook and getattr(method, "supports_pre_processed_weights", False) and not names & SKIPS_KERNEL:
         return None, "vllm"
     if not hook and names & set(AS_IS) and _device_type(module) == "cuda":
         return method.process_weights_after_loading, "as is"

@@ -42,6 +42,8 @@ RULES = {r.quantization: r for r in (
     Rule("compressed-tensors", True, None, "compressed-tensors checkpoints (NVFP4 W4A16 and W4A4 verified): cached "
          "after vLLM's processing; layers whose kernel vLLM's pre-processed pass cannot finish (Marlin's FP4 "
          "repack) are finished by fast-start, their per-process workspace made in each engine"),
+    Rule("modelopt_fp4", True, None, "ModelOpt NVFP4 checkpoints: cached after vLLM's processing; their FP4 layers "
+         "are finished by fast-start (vLLM 0.32's pass skips their kernel's processing)"),
 )}
 
 

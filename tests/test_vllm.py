@@ -898,7 +898,7 @@ def test_tp2_pp2_stages_are_served_by_four_daemons(tmp_path, checkpoints):
 # makes vLLM's own emulation kernel available for W4A4. Neither kernel has vLLM's pre-processed
 # pass: fast-start finishes those layers itself.
 
-FP4_FORMATS = ("ct-w4a16", "ct-w4a4")
+FP4_FORMATS = ("ct-w4a16", "ct-w4a4", "modelopt")
 
 
 @pytest.fixture(scope="module")
@@ -939,8 +939,8 @@ def test_nvfp4_engine_installs_the_fills_processed_weights(work, fp4_checkpoints
         assert any(n.endswith("qkv_proj.workspace") for n in g["attrs"])
         assert "emulated Marlin: repacking" in (work / f"default-{fmt}.log").read_text()
         assert "emulated Marlin: repacking" not in log
-    if mode == "zero_copy":
-        assert g["final_outside_arena"] == []
+    if mode == "zero_copy":     # but a weight vLLM's CPU GEMM packed into its own closure: left empty
+        assert [n for n in g["final_outside_arena"] if not g["final"][n].endswith("(0,)")] == []
 
 
 def test_two_engines_generating_at_once_from_one_cache_each_use_their_own_workspace(work, fp4_checkpoints,
