@@ -150,6 +150,14 @@ class Cache:
         if old is not None:
             self._retire(old)
 
+    def configure(self, models: tuple[str, ...], on_release: str, keep_free: int) -> None:
+        """The models this GPU should hold (pending states of others are dropped), what a released
+        copy does (`on_release`) and the bytes fills leave free for engines (`keep_free`)."""
+        with self.lock:
+            self.configured, self.on_release, self.keep_free = models, on_release, keep_free
+            for name in [n for n in self.pending if n not in models]:
+                del self.pending[name]
+
     def set_pending(self, model: str, state: str, detail: str = "") -> None:
         with self.lock:
             self.pending[model] = {"name": model, "state": state, "detail": detail, "since": time.time()}

@@ -101,8 +101,8 @@ class Daemon:
                            on_evict=lambda entry: fdstore.remove(entry.names),
                            on_process=self.watch_process, on_stale=lambda name, why: self.keeper.stale(name, why),
                            on_fill=lambda name: self.keeper.put("fill", name))
-        self.cache.configured = tuple(m.name for m in self.models)
-        self.cache.keep_free = memory.keep_free(cfg.daemon, gpu)
+        self.cache.configure(tuple(m.name for m in self.models), cfg.daemon.on_release,
+                             memory.keep_free(cfg.daemon, gpu))
         self.sizes: dict[str, int] = {}     # model -> its bytes, as the worker estimated them (check_models)
         if os.environ.get("STATE_DIRECTORY"):           # systemd's StateDirectory=: evictions survive restarts
             self.cache.keep_history(Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / f"gpu{gpu}.evictions.json")
@@ -157,6 +157,31 @@ class Daemon:
                     m = replace(m, engine_version=hello.engines["vllm"])
             models.append(m)
         return replace(cfg, models=tuple(models))
+
+    def apply(self, cfg: configs.Config) -> list[str]:
+        """Serve by a reloaded (and resolved) `cfg`: models removed or whose fingerprint changed
+        are evicted, the rest kept; returns the configured models not cached (to be filled)."""
+        new = {m.name: m for m in cfg.models_on(self.gpu)}
+        changed = {}
+        for name, entry in list(self.cache.entries.items()):
+            m = new.get(name)
+            try:
+                fields = entry.manifest.fingerprint.diff(fingerprint(m.spec(self.gpu))) if m else ()
+            except FastStartError as e:     # storage away: keep serving what was filled
+                log.warning("reload: cannot read %s's checkpoint (%s); keeping it", name, e.what)
+                continue
+            if m is None or fields:
+                changed[name] = fields
+        self.cfg = cfg
+        self.server.policy = Policy.of(cfg.daemon)
+        self.cache.configure(tuple(new), cfg.daemon.on_release, memory.keep_free(cfg.daemon, self.gpu))
+        for name, fields in changed.items():
+            self.cache.evict(name, "config change", pending="filling")
+            self.watch.remove(name)
+            log.info("reload: %s %s", name, f"changed its {', '.join(fields)}" if fields else "is no longer served")
+        for name, m in new.items():
+            self.watch.add(name, m.path)
+        return [name for name in new if name not in self.cache.entries]
 
     def check_models(self, models, workers: Workers) -> None:
         """Every model's headers against its spec (in a worker), the total against the memory budget.

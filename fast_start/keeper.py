@@ -15,16 +15,33 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from . import config as configs
-from . import memory, notify, watch
+from . import notify, watch
+from .cache import Cache
 from .errors import FastStartError, NoRoom
-from .fingerprint import fingerprint
-from .serve import Policy
+from .fill import Workers
 
-if TYPE_CHECKING:
-    from .daemon import Daemon
+
+class Host(Protocol):
+    """What the keeper asks of the daemon it runs in (`daemon.Daemon`)."""
+    cfg: configs.Config
+    gpu: int
+    cache: Cache
+    watch: watch.Watch
+    stop: threading.Event
+
+    @property
+    def models(self) -> tuple[configs.ModelConfig, ...]: ...
+    def model(self, name: str) -> configs.ModelConfig | None: ...
+    def workers(self, starting: bool = False) -> Workers: ...
+    def resolve(self, cfg: configs.Config, workers: Workers) -> configs.Config: ...
+    def apply(self, cfg: configs.Config) -> list[str]: ...
+    def room_for(self, m: configs.ModelConfig) -> None: ...
+    def check_models(self, models, workers: Workers) -> None: ...
+    def fill(self, models, workers: Workers, starting: bool = False) -> None: ...
+
 
 log = logging.getLogger("fast_start.daemon")
 SETTLE_S = 2.0       # a changed checkpoint is refilled once its files stay the same this long
@@ -34,7 +51,7 @@ ROOM_S = 30.0        # how often a fill waiting for device memory looks again
 
 
 class Keeper:
-    def __init__(self, daemon: "Daemon"):
+    def __init__(self, daemon: Host):
         self.d = daemon
         self.jobs: queue.Queue = queue.Queue()
         self.retry: dict[str, float] = {}           # model -> when to try filling it
@@ -182,32 +199,7 @@ class Keeper:
             log.error("reload failed, keeping the running config: %s", e)
             notify.notify("READY=1\nSTATUS=ready (the last reload failed: see the log)")
             return
-        new = {m.name: m for m in cfg.models_on(d.gpu)}
-        changed = {}
-        for name, entry in list(d.cache.entries.items()):
-            m = new.get(name)
-            try:
-                fields = entry.manifest.fingerprint.diff(fingerprint(m.spec(d.gpu))) if m else ()
-            except FastStartError as e:     # storage away: keep serving what was filled
-                log.warning("reload: cannot read %s's checkpoint (%s); keeping it", name, e.what)
-                continue
-            if m is None or fields:
-                changed[name] = fields
-        d.cfg = cfg
-        d.server.policy = Policy.of(cfg.daemon)
-        d.cache.on_release = cfg.daemon.on_release
-        d.cache.keep_free = memory.keep_free(cfg.daemon, d.gpu)
-        with d.cache.lock:
-            d.cache.configured = tuple(new)
-            for name in [n for n in d.cache.pending if n not in new]:
-                del d.cache.pending[name]
-        for name, fields in changed.items():
-            d.cache.evict(name, "config change", pending="filling")
-            d.watch.remove(name)
-            log.info("reload: %s %s", name, f"changed its {', '.join(fields)}" if fields else "is no longer served")
-        for name, m in new.items():
-            d.watch.add(name, m.path)
-            if name not in d.cache.entries:
-                self.retry[name] = time.monotonic()
-        log.info("reloaded %s: %d model(s) for GPU %d", cfg.path, len(new), d.gpu)
-        notify.notify(f"READY=1\nSTATUS=ready: reloaded, {len(new)} model(s) configured")
+        for name in d.apply(cfg):
+            self.retry[name] = time.monotonic()
+        log.info("reloaded %s: %d model(s) for GPU %d", cfg.path, len(d.models), d.gpu)
+        notify.notify(f"READY=1\nSTATUS=ready: reloaded, {len(d.models)} model(s) configured")
