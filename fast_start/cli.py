@@ -414,7 +414,7 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON):
     models need against its budget, and each worker interpreter. Exit 0 when all pass, 2 if not."""
     import subprocess
     from .memory import device_total, fill_need, gib, keep_free
-    from .worker import estimate
+    from .headers import rank_bytes
     cfg = configs.load(config)
     checks = [{"check": "config", "ok": True, "detail": f"{config}: {len(cfg.models)} model(s)"}]
     need: dict[int, int] = {}
@@ -426,7 +426,9 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON):
             for gpu in m.gpus:
                 spec = m.spec(gpu)
                 fingerprint(spec)           # config.json and every header, read as this user
-                nbytes = estimate(spec)
+                engine = m.engine
+                nbytes = engine.estimate(spec) if engine else \
+                    rank_bytes(Path(spec.path), spec.dtype, spec.tensor_parallel_size * spec.pipeline_parallel_size)
                 need[gpu] = need.get(gpu, 0) + nbytes
                 largest[gpu] = max(largest.get(gpu, 0), nbytes)
             checks.append({"check": f"model {m.name}", "ok": True, "detail": f"{m.path} readable by uid {os.geteuid()}"})
@@ -456,8 +458,8 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON):
         except FastStartError as e:
             checks.append({"check": f"memory GPU {gpu}", "ok": False, "detail": str(e)})
     for python in sorted({cfg.python(m) for m in cfg.models}):
-        vllm = any(m.layout == "vllm" for m in cfg.models if cfg.python(m) == python)
-        modules = "fast_start, torch" + (", vllm" if vllm else "")
+        named = sorted({m.engine.module for m in cfg.models if cfg.python(m) == python and m.engine})
+        modules = ", ".join(["fast_start", "torch", *named])
         try:
             done = subprocess.run([python, "-c", f"import {modules}"], capture_output=True, text=True, timeout=300)
             detail = f"imports {modules}" if not done.returncode else \

@@ -6,15 +6,14 @@ impossible values each fail with one message naming the file, the key and the fi
 from __future__ import annotations
 
 import grp
-import os
 import re
 import sys
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from . import dtypes, quant, vllm_rules
-from .errors import ConfigError, QuantizationError
-from .fingerprint import LAYOUTS, WeightSpec
+from . import dtypes, engines, quant
+from .errors import ConfigError
+from .fingerprint import WeightSpec, layouts
 from .transport import DEFAULT_SOCKET_DIR
 
 if sys.version_info >= (3, 11):
@@ -69,31 +68,31 @@ class ModelConfig:
     engine_version: str = ""                # "auto": the engine's version in the worker's environment
     python: str = ""                        # this model's worker interpreter; "" = worker_python
     pipeline_parallel_size: int = 1         # ranks are global: pp_rank * tensor_parallel_size + tp_rank
-    kv_cache_dtype: str = "auto"            # layout "vllm": the engine's --kv-cache-dtype
-    engine_env: tuple[str, ...] = ()        # layout "vllm": the engine's kernel-selecting VLLM_* variables
-    data_parallel_size: int = 1             # layout "vllm": the engine's --data-parallel-size
-    enable_expert_parallel: bool = False    # layout "vllm": the engine's --enable-expert-parallel
-    expert_placement_strategy: str = "linear"   # ... and its --expert-placement-strategy
+    kv_cache_dtype: str = "auto"            # vLLM: the engine's --kv-cache-dtype
+    engine_env: tuple[str, ...] = ()        # vLLM: the engine's kernel-selecting VLLM_* variables
+    data_parallel_size: int = 1             # an engine's data parallel size
+    enable_expert_parallel: bool = False    # an engine's expert parallelism
+    expert_placement_strategy: str = "linear"   # ... and its placement of experts
+
+    @property
+    def engine(self) -> engines.Engine | None:
+        """The engine that fills this model where the worker's environment has it (its `layout`
+        names it), or None: fast-start's own tables."""
+        return engines.get(self.layout)
 
     def spec(self, gpu: int) -> WeightSpec:
         """The weights GPU `gpu` serves for this model: its slot (its place in `gpus` plus
         `rank_offset`) counts DP rank by DP rank, each of tensor × pipeline ranks."""
-        options = ""
-        if self.layout == "vllm":
-            env = {**os.environ, **vllm_rules.parse_env(self.engine_env, self.name)}
-            options = vllm_rules.engine_options(env, self.kv_cache_dtype, self.pipeline_parallel_size)
+        engine = self.engine
         dp_rank, rank = divmod(self.gpus.index(gpu) + self.rank_offset,
                                self.tensor_parallel_size * self.pipeline_parallel_size)
-        return WeightSpec(self.path, self.tensor_parallel_size, rank, self.dtype, self.quantization, self.layout,
-                          self.revision, self.engine_version, self.pipeline_parallel_size, options,
-                          self.data_parallel_size, dp_rank, self.expert_parallel)
-
-    @property
-    def expert_parallel(self) -> str:
-        """The fingerprint's `expert_parallel`: vLLM places whole experts on each rank only with
-        more than one rank across TP and DP (`vllm_rules.expert_parallel`)."""
-        return vllm_rules.expert_parallel(self.enable_expert_parallel, self.expert_placement_strategy,
-                                          self.tensor_parallel_size, self.data_parallel_size)
+        return WeightSpec(path=self.path, tensor_parallel_size=self.tensor_parallel_size, rank=rank,
+                          dtype=self.dtype, quantization=self.quantization, layout=self.layout,
+                          revision=self.revision, engine_version=self.engine_version,
+                          pipeline_parallel_size=self.pipeline_parallel_size,
+                          engine_options=engine.options(self) if engine else "",
+                          data_parallel_size=self.data_parallel_size, data_parallel_rank=dp_rank,
+                          expert_parallel=engine.expert_parallel(self) if engine else "")
 
 
 @dataclass(frozen=True)
@@ -244,19 +243,6 @@ def _check_daemon(d: DaemonConfig, path: str) -> None:
         bad("arena_chunk", f"is {d.arena_chunk!r}", "write a size from 64KiB to 2GiB (default 512MiB)")
 
 
-def _check_vllm(m: ModelConfig, bad) -> None:
-    """A vLLM model names vLLM's quantization (\"none\": what the checkpoint says) and kernel variables."""
-    if m.quantization != "none":
-        try:
-            vllm_rules.check(m.quantization, m.tensor_parallel_size)
-        except QuantizationError as e:
-            bad("quantization", f"is {m.quantization!r}: {e.what}", e.fix)
-    try:
-        vllm_rules.parse_env(m.engine_env, m.name)
-    except QuantizationError as e:
-        bad("engine_env", f"is {list(m.engine_env)}: {e.what}", e.fix)
-
-
 def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, str] | None = None) -> None:
     """The rules a [[model]] table obeys; `names` renames its keys in the errors (the CLI's
     `fingerprint` names its options)."""
@@ -270,13 +256,11 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         if getattr(m, key) < 1:
             bad(key, f"is {getattr(m, key)}", "use 1 or more")
-    for key, off in (("pipeline_parallel_size", 1), ("data_parallel_size", 1), ("enable_expert_parallel", False)):
-        if getattr(m, key) != off and m.layout != "vllm":
+    engine, by_engine = m.engine, " or ".join(f"layout = \"{n}\"" for n in engines.names())
+    for key, off in engines.ENGINE_KEYS.items():
+        if getattr(m, key) != off and engine is None:
             bad(key, f"is {getattr(m, key)} with layout {m.layout!r}",
-                "pipeline stages, data and expert parallelism are cached for layout = \"vllm\" only")
-    if m.expert_placement_strategy not in vllm_rules.PLACEMENTS:
-        bad("expert_placement_strategy", f"is {m.expert_placement_strategy!r}",
-            f"use one of {', '.join(vllm_rules.PLACEMENTS)}")
+                f"pipeline stages, data and expert parallelism are cached for {by_engine} only")
     ranks = m.tensor_parallel_size * m.pipeline_parallel_size * m.data_parallel_size
     if m.rank_offset < 0 or m.rank_offset + len(m.gpus) > ranks:
         bad("rank_offset", f"{m.rank_offset} with {len(m.gpus)} GPUs serves ranks beyond {ranks - 1}",
@@ -284,10 +268,11 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
             "fix gpus or rank_offset")
     if m.dtype not in dtypes.MODEL:
         bad("dtype", f"is {m.dtype!r}", f"use one of {', '.join(dtypes.MODEL)}")
-    if m.layout not in LAYOUTS:
-        bad("layout", f"is {m.layout!r}", f"use one of {', '.join(LAYOUTS)}")
-    if m.layout == "vllm":
-        _check_vllm(m, bad)
+    if m.layout != "hf" and engines.get(m.layout) is None:
+        bad("layout", f"is {m.layout!r}", f"use one of {', '.join(layouts())}")
+    if engine is not None:
+        for key, what, fix in engine.check(m):
+            bad(key, what, fix)
     elif m.quantization not in quant.METHODS:
         bad("quantization", f"is {m.quantization!r}", f"use one of {', '.join(quant.METHODS)}")
     elif not quant.METHODS[m.quantization].verified_for_sharing:
@@ -296,8 +281,8 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
     if m.python and not Path(m.python).is_absolute():
         bad("python", f"is {m.python!r}, not an absolute path", "name the engine's interpreter, e.g. "
             "/opt/vllm/.venv/bin/python")
-    if m.engine_version == AUTO and m.layout != "vllm":
-        bad("engine_version", "is \"auto\", which only a vLLM model (layout = \"vllm\") can resolve",
+    if m.engine_version == AUTO and engine is None:
+        bad("engine_version", f"is \"auto\", which only an engine's model ({by_engine}) can resolve",
             "write the version your engine passes in its WeightSpec")
     folder = Path(m.path)
     if not folder.is_absolute():

@@ -44,7 +44,7 @@ from . import config as configs
 from .cache import Cache, Entry, Limits
 from .errors import ConfigError, FastStartError, NoRoom
 from .fill import FillError, Workers, worker_env
-from .fingerprint import LAYOUT_VERSION, Fingerprint, fingerprint
+from .fingerprint import FROM_FILES, fingerprint, requested
 from .keeper import Keeper
 from .manifest import Manifest
 from .serve import Policy, Server
@@ -65,12 +65,7 @@ def device_id(device: str, gpu: int) -> str:
 
 def config_fields(model: configs.ModelConfig, gpu: int) -> dict:
     """The fingerprint fields the config alone decides (no checkpoint file read)."""
-    spec = model.spec(gpu)
-    fields = {k: v for k, v in spec._asdict().items() if k in Fingerprint._fields}
-    fields["layout"] = f"{spec.layout}/{LAYOUT_VERSION}"
-    if spec.layout == "vllm" and spec.quantization == "none":
-        del fields["quantization"]      # vLLM takes it from the checkpoint's config.json, which is away
-    return fields
+    return {k: v for k, v in requested(model.spec(gpu))._asdict().items() if not (k in FROM_FILES and v == "")}
 
 
 def fd_budget() -> tuple[Limits, int]:
@@ -149,12 +144,12 @@ class Daemon:
                 hello = workers.get(cfg.python(m)).hello
                 log.info("%s is filled by %s (environment %s: fast-start %s, %s)", m.name, hello.python, hello.prefix,
                          hello.version, ", ".join(f"{k} {v}" for k, v in hello.engines.items()) or "no engine")
-                if m.engine_version == configs.AUTO:
-                    if "vllm" not in hello.engines:
+                if m.engine_version == configs.AUTO:     # the config allows it for an engine's model only
+                    if m.engine.name not in hello.engines:
                         raise ConfigError(f"{cfg.path}: [[model]] {m.name!r} has engine_version = \"auto\", but "
-                                          f"{hello.python} has no vLLM installed",
+                                          f"{hello.python} has no {m.engine.title} installed",
                                           "set worker_python (or the model's python) to the engine's interpreter")
-                    m = replace(m, engine_version=hello.engines["vllm"])
+                    m = replace(m, engine_version=hello.engines[m.engine.name])
             models.append(m)
         return replace(cfg, models=tuple(models))
 

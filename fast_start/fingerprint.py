@@ -14,8 +14,8 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from . import quant, vllm_rules
-from .headers import raw_header, read_config, read_identity, weight_files
+from . import engines, quant
+from .headers import raw_header, read_config, weight_files
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 LAYOUT_VERSION = 2
 
 
-LAYOUTS = ("hf", "vllm")
+def layouts() -> tuple[str, ...]:
+    """"hf" (the checkpoint's names) and each engine's (`engines`)."""
+    return ("hf", *engines.names())
 
 
 class WeightSpec(NamedTuple):
@@ -38,10 +40,10 @@ class WeightSpec(NamedTuple):
     revision: str = "main"
     engine_version: str = ""
     pipeline_parallel_size: int = 1     # `rank` is the global rank: pp_rank * tensor_parallel_size + tp_rank
-    engine_options: str = ""            # layout "vllm": vllm_rules.engine_options (kernel env, KV dtype, PP)
-    data_parallel_size: int = 1         # layout "vllm": MoE layers shard across every DP rank's TP ranks
+    engine_options: str = ""            # an engine's: what else steers its bytes (`Engine.options`)
+    data_parallel_size: int = 1         # an engine's: MoE layers shard across every DP rank's TP ranks
     data_parallel_rank: int = 0
-    expert_parallel: str = ""           # layout "vllm": the expert placement ("linear", "round_robin"); "" = none
+    expert_parallel: str = ""           # an engine's expert placement (`Engine.expert_parallel`); "" = none
 
 
 class Fingerprint(NamedTuple):
@@ -94,8 +96,9 @@ FROM_FILES = ("checkpoint", "architecture", "quantization", "quantization_config
 
 def requested(spec: WeightSpec) -> Fingerprint:
     """`spec`'s fingerprint as far as it is known before a file is read: FROM_FILES empty, except
-    a quantization the spec names (vLLM's layout takes "none" from the checkpoint's config)."""
-    quantization = "" if spec.layout == "vllm" and spec.quantization == "none" else spec.quantization
+    a quantization the spec names (an engine may take "none" from the checkpoint's config)."""
+    engine = engines.get(spec.layout)
+    quantization = engine.requested_quantization(spec.quantization) if engine else spec.quantization
     return _of(spec, "", "", quantization, "")
 
 
@@ -128,10 +131,9 @@ def fingerprint(spec: WeightSpec, ckpt: "Checkpoint | None" = None,
     folder = Path(spec.path)
     # First: it names an unreadable folder.
     checkpoint = checkpoint_hash(folder, ckpt.headers if ckpt else None, identities)
-    if spec.layout == "vllm":      # any architecture vLLM builds; vLLM's own quantization names
-        architecture, checkpoint_config = read_identity(folder)
-        quantization = vllm_rules.resolve(spec.quantization, checkpoint_config)
-        config = quant.hash_of({"engine": "vllm", "method": quantization, "checkpoint": checkpoint_config})
+    engine = engines.get(spec.layout)
+    if engine is not None:
+        architecture, quantization, config = engine.identity(folder, spec.quantization)
     else:
         dims = ckpt.dims if ckpt else read_config(folder)
         architecture, quantization = dims.architecture, spec.quantization

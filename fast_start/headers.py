@@ -95,6 +95,19 @@ def tensor_bytes(folder: Path) -> list[tuple[str, str, int]]:
     return out
 
 
+def rank_bytes(folder: Path, dtype: str, ranks: int) -> int:
+    """A rank's bytes from the headers alone: the checkpoint's, with wider floats cast to `dtype`,
+    split over `ranks` (an estimate before the model is built: replicated tensors add some)."""
+    from . import dtypes
+    size = dtypes.BY_NAME[dtype].itemsize
+    total = 0
+    for _, code, nbytes in tensor_bytes(folder):
+        d = dtypes.BY_CODE.get(code)
+        floating = d is not None and d.name.startswith(("float", "bfloat")) and d.itemsize > 1
+        total += nbytes // d.itemsize * size if floating else nbytes
+    return total // ranks
+
+
 def read_config(folder: Path) -> ModelDims:
     path, cfg, arch = _config_json(folder)
     if arch not in ARCHITECTURES:

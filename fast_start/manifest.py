@@ -4,7 +4,7 @@ JSON on the wire: the fingerprint, the arenas (size, device), the tensors (name,
 arena, offset, nbytes, checksum; a `stride` where the tensor is a view, e.g. vLLM's transposed
 FP8 weights, whose entries may then share bytes), tied-weight aliases (name -> name of the tensor
 it shares) and, for a model filled by vLLM, what its plugin needs to install it (`engine`:
-`vllm_state.py`).
+`engines/vllm/state.py`).
 `Manifest.from_json` checks everything a client relies on before it builds a single view, so a
 manifest from a buggy or hostile peer cannot make a client read outside an arena. Plain Python:
 the daemon parses and stores manifests without torch; the checksums are `arena.checksum`'s.

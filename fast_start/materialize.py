@@ -17,10 +17,10 @@ from dataclasses import replace
 import torch
 
 from . import arena as arenas
-from . import dtypes, fp8, layout, quant, shard, staging
+from . import dtypes, engines, fp8, quant, shard, staging
 from .checkpoint import Checkpoint, open_checkpoint, tensor_reader
 from .errors import QuantizationError
-from .fingerprint import LAYOUTS, Fingerprint, WeightSpec, fingerprint
+from .fingerprint import Fingerprint, WeightSpec, fingerprint, layouts
 from .arena import checksum
 from .manifest import ArenaEntry, Manifest, pack
 
@@ -37,11 +37,13 @@ def derive(ckpt: Checkpoint, spec: WeightSpec, read: Reader, device: str | torch
     """Yield (name, contiguous tensor on `device`) for every tensor of this rank in `spec.layout`.
 
     Nothing of a yielded tensor is held here once the next is asked for: a consumer that lets go
-    of each holds one tensor at a time on the device (merges in progress aside, `layout.arrange`).
+    of each holds one tensor at a time on the device (merges in progress aside, an engine's
+    `arrange`).
     """
     method, dtype, tp = check_spec(ckpt, spec)
     tensors = _rank_tensors(ckpt, read, method, dtype, tp, staging.to_device(device), place)
-    for name, t in layout.arrange(spec.layout, ckpt.dims, tp.size, tensors):
+    tables = _tables(spec)
+    for name, t in tables.arrange(ckpt.dims, tp.size, tensors) if tables else tensors:
         yield name, t.contiguous()
         del t
 
@@ -75,18 +77,33 @@ def _served_dtype(name: str, stored: torch.dtype, dtype: torch.dtype) -> torch.d
     return dtype
 
 
+def _tables(spec: WeightSpec):
+    """fast-start's own tables for the as-loaded layout of the engine `spec.layout` names (None:
+    "hf", the checkpoint's names); raises where that engine has none."""
+    engine = engines.get(spec.layout)
+    if engine is None:
+        return None
+    tables = engine.tables()
+    if tables is None:
+        raise QuantizationError(f"layout {spec.layout!r} is filled by its engine alone, which the fill worker's "
+                                "environment lacks", f"install {engine.title} where the fill worker runs (worker_python)")
+    return tables
+
+
 def check_spec(ckpt: Checkpoint, spec: WeightSpec):
     """Everything that can be said about a spec from headers alone; raises before any data is read."""
-    if spec.layout not in LAYOUTS:
-        raise QuantizationError(f"layout {spec.layout!r} is not supported", f"use one of {', '.join(LAYOUTS)}")
+    if spec.layout != "hf" and engines.get(spec.layout) is None:
+        raise QuantizationError(f"layout {spec.layout!r} is not supported", f"use one of {', '.join(layouts())}")
     method = quant.method(spec.quantization)
     quant.require_verified(method)
-    if spec.layout == "vllm" and method.name != "none":
-        raise QuantizationError(f"layout \"vllm\" from fast-start's own tables caches unquantized weights only, "
-                                f"not {method.name!r}", "install vLLM where the fill worker runs (worker_python) "
-                                "so that vLLM fills it, or use layout = \"hf\"")
+    engine, tables = engines.get(spec.layout), _tables(spec)
+    if tables and method.name != "none":
+        raise QuantizationError(f"layout {spec.layout!r} from fast-start's own tables caches unquantized weights "
+                                f"only, not {method.name!r}", f"install {engine.title} where the fill "
+                                "worker runs (worker_python) so that it fills the model, or use layout = \"hf\"")
     dtype = dtypes.torch_dtype(quant.check_dtype(spec.dtype))
-    tp = shard.check_tp(ckpt.dims, spec.tensor_parallel_size, spec.rank, layout.vocab_padding(spec.layout))
+    tp = shard.check_tp(ckpt.dims, spec.tensor_parallel_size, spec.rank,
+                        tables.VOCAB_PADDING if tables else 0)
     quantized = [n for n, i in ckpt.tensors.items() if i.dtype == fp8.FP8]
     if method.prequantized and not quantized:
         raise QuantizationError(f"{ckpt.folder} holds no FP8 weights, so {method.name!r} has nothing to pass through",

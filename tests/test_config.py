@@ -33,7 +33,7 @@ def test_example_config_validates(small, tmp_path):
     (("rank_offset = 0", "rank_offset = 1"), "key 'rank_offset' 1 with 2 GPUs serves ranks beyond 1"),
     (('quantization = "none"', 'quantization = "int3"'), "key 'quantization' is 'int3'"),
     (('quantization = "none"', 'quantization = "fp8_per_block"'), "'fp8_per_block' is refused: online block FP8"),
-    (('layout = "vllm"', 'layout = "hf"'), "key 'engine_version' is \"auto\", which only a vLLM model"),
+    (('layout = "vllm"', 'layout = "hf"'), "key 'engine_version' is \"auto\", which only an engine's model (layout = \"vllm\")"),
     (('# worker_python = "/opt', 'worker_python = "opt'), "key 'worker_python' is 'opt"),
     (('# python = "/opt', 'python = "opt'), "key 'python' is 'opt"),
     (('device = "cuda"', 'device = "tpu"'), "key 'device' is 'tpu'"),

@@ -6,14 +6,14 @@ plugin both compute the fingerprint's `engine_options` with it (so they agree by
 The bytes vLLM holds after `process_weights_after_loading` depend on the kernels it chose at
 construction, and so on the environment variables that steer that choice. `KERNEL_ENV` lists
 them; their values where set, the KV-cache dtype and the pipeline layout go into the fingerprint.
-The kernel plan recorded at fill (`vllm_state.kernel_plan`) catches whatever this list misses.
+The kernel plan recorded at fill (`state.kernel_plan`) catches whatever this list misses.
 """
 from __future__ import annotations
 
 import json
 from typing import NamedTuple
 
-from .errors import QuantizationError
+from ...errors import QuantizationError
 
 KERNEL_ENV = (
     "VLLM_USE_DEEP_GEMM", "VLLM_MOE_USE_DEEP_GEMM", "VLLM_USE_DEEP_GEMM_E8M0",

@@ -1,8 +1,6 @@
-"""Layouts: how a rank's tensors are named and merged for the engine that maps them.
-
-`hf` keeps the checkpoint's names, one tensor per checkpoint tensor. `vllm` gives each rank the
-tensors that vLLM's model holds once its weight loaders have run, so vLLM can map them as its
-parameters without a copy:
+"""vLLM's as-loaded layout built by fast-start's own tables (where the fill worker's environment
+has no vLLM): each rank gets the tensors that vLLM's model holds once its weight loaders have
+run, so vLLM can map them as its parameters without a copy:
 
 - q/k/v projections become one `qkv_proj` ([q rows; k rows; v rows] of this rank), gate/up one
   `gate_up_proj` ([gate; up]), as vLLM's `packed_modules_mapping`;
@@ -25,10 +23,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .headers import ModelDims, padded
+from ...headers import ModelDims, padded
 
 # vLLM's DEFAULT_VOCAB_PADDING_SIZE: vocab-parallel tensors hold a multiple of 64 rows in all.
-VLLM_VOCAB_PADDING = 64
+VOCAB_PADDING = 64
 
 CAT, EXPERTS = "cat", "experts"
 # (checkpoint name pattern, vLLM name, how parts combine, the parts in order). A pattern's group
@@ -49,21 +47,14 @@ MERGES = tuple((re.compile(p), target, how, parts) for p, target, how, parts in 
 VOCAB_PADDED = re.compile(r"^(model\.embed_tokens|lm_head)\.weight$")
 
 
-def vocab_padding(layout: str) -> int:
-    """The multiple a layout pads the vocabulary to before splitting it (0: no padding)."""
-    return VLLM_VOCAB_PADDING if layout == "vllm" else 0
-
-
-def arrange(layout: str, dims: ModelDims, tp_size: int, tensors: Iterable[tuple[str, torch.Tensor]]
+def arrange(dims: ModelDims, tp_size: int, tensors: Iterable[tuple[str, torch.Tensor]]
             ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The `hf` stream of (name, rank tensor) turned into `layout`'s tensors, in stream order.
+    """The checkpoint-named stream of (name, rank tensor) turned into vLLM's tensors, in stream
+    order.
 
     A merged tensor is yielded once its last part has arrived, so only the parts of merges in
     progress are held (one layer's q/k/v, or one layer's experts).
     """
-    if layout == "hf":
-        yield from tensors
-        return
     pending: dict[str, dict] = {}
     for name, t in tensors:
         if VOCAB_PADDED.match(name):
@@ -94,7 +85,7 @@ def _combine(slots: dict[tuple[int, int], torch.Tensor], how: str, nparts: int) 
 
 
 def _rows_per_rank(vocab: int, tp_size: int) -> int:
-    return padded(vocab, VLLM_VOCAB_PADDING) // tp_size
+    return padded(vocab, VOCAB_PADDING) // tp_size
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 `register` is the `vllm.general_plugins` entry point; vLLM calls it in every engine process
 (more than once is harmless). The daemon's fill worker ran this engine's vLLM for the rank
-(`vllm_fill.py`); the loader:
+(`fill.py`); the loader:
 
 0. freezes the startup heap for Python's garbage collector, as vLLM does once the engine is up
    (vLLM's three collections around the load otherwise scan it: about a second);
@@ -15,7 +15,7 @@
    a model (its manifest then records the small attributes a meta build leaves without a value);
    otherwise on the target device with every parameter's storage released as it is registered
    (vLLM computes its buffers for real);
-3. installs the cached tensors (`vllm_install.prepare`): for stage "processed" (vLLM's state after
+3. installs the cached tensors (`install.prepare`): for stage "processed" (vLLM's state after
    `process_weights_after_loading`), every parameter and buffer, dropping what processing
    dropped, then runs vLLM's pre-processed pass (`weights_already_processed()`), mends the gaps
    that pass leaves (`mend_gaps`) and compares the attribute signature with the fill's; for stage
@@ -57,12 +57,12 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from . import vllm_attention, vllm_rules, vllm_state
-from .vllm_install import prepare
-from .client import MODES, cached, fetch, release
-from .errors import CacheMiss, FastStartError, QuantizationError
-from .fingerprint import WeightSpec
-from .dtypes import MODEL, torch_dtype
+from . import attention as vllm_attention, rules as vllm_rules, state as vllm_state
+from .install import prepare
+from ...client import MODES, cached, fetch, release
+from ...errors import CacheMiss, FastStartError, QuantizationError
+from ...fingerprint import WeightSpec
+from ...dtypes import MODEL, torch_dtype
 
 # Under "vllm" so that vLLM's log handler prints our lines with its own.
 log = logging.getLogger("vllm.fast_start")
@@ -241,7 +241,7 @@ def _detaching(reload_weights):
         model = self.get_model()
         mapped = getattr(model, "fast_start_mapped_bytes", 0)
         if mapped:
-            from .detach import detach
+            from ...detach import detach
             log.warning("fast-start: reload_weights writes the weights in place: the %.2f GiB this engine maps "
                         "read-only from the daemon are copied into its own memory first (mode copy avoids this)",
                         mapped / 2**30)

