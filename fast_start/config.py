@@ -43,6 +43,7 @@ class DaemonConfig:
     keep_free: str = "1GiB"                 # device memory fills (and copies beside a kept cache) leave free
     refill_on_change: bool = True           # refill a model whose checkpoint changed under it
     metrics_file: str = ""                  # a Prometheus textfile per GPU ("{gpu}" in the path); "" = none
+    request_timeout_s: int = 10             # an idle connection waits this long for a request; a frame takes at most this
 
     @property
     def shared(self) -> bool:
@@ -239,6 +240,8 @@ def _check_daemon(d: DaemonConfig, path: str) -> None:
     for key in ("memory_budget", "keep_free"):
         if getattr(d, key).strip().endswith("%") and parse_bytes(getattr(d, key), 100) > 100:
             bad(key, f"is {getattr(d, key)!r}, more than the whole device", "write a share up to 100%")
+    if not 1 <= d.request_timeout_s <= 300:
+        bad("request_timeout_s", f"is {d.request_timeout_s}", "write whole seconds from 1 to 300 (default 10)")
     if not MIN_CHUNK <= parse_bytes(d.arena_chunk) <= MAX_CHUNK:
         bad("arena_chunk", f"is {d.arena_chunk!r}", "write a size from 64KiB to 2GiB (default 512MiB)")
 

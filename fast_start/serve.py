@@ -14,8 +14,8 @@ next, and one always waits. No client can lock others out:
   a limit reached closes the longest-idle connection (waiting for a request for `REAP_AFTER_S` or
   more: never one an engine has just opened) of its own user, or of the user holding the most;
   only where none is idle is it refused, with a reply naming the limit;
-- a connection waits at most `IDLE_S` for a request to begin, and a request (or a reply) must
-  be complete within `FRAME_S`: a peer trickling a byte a second is cut off;
+- a connection waits at most `request_timeout_s` (the config's) for a request to begin, and a
+  request (or a reply) must be complete within it: a peer trickling a byte a second is cut off;
 - descriptors sent to the daemon are discarded by the kernel (`protocol.recv`).
 """
 from __future__ import annotations
@@ -34,8 +34,6 @@ from .cache import Cache
 from .config import DaemonConfig
 
 log = logging.getLogger("fast_start.daemon")
-IDLE_S = 10.0
-FRAME_S = 10.0
 MAX_CONNECTIONS_PER_UID = 64
 ADMIN_RESERVE = 8           # of max_connections, for admins only (root's status gets in)
 REAP_AFTER_S = 1.0          # a connection idle this long may be closed to make room for a new one
@@ -45,14 +43,17 @@ THREAD_NAME = "fast-start-connection"
 
 @dataclass(frozen=True)
 class Policy:
-    """Who may connect (from the config); replaced as a whole on reload."""
+    """Who may connect, and for how long a request may take (from the config); replaced as a
+    whole on reload."""
     allowed_uids: frozenset[int] = frozenset()
     allowed_gids: frozenset[int] = frozenset()
     admin_gids: frozenset[int] = frozenset()
+    timeout_s: float = 10.0        # for a request to begin on an idle connection, and for a frame to complete
 
     @classmethod
     def of(cls, daemon: DaemonConfig) -> "Policy":
-        return cls(frozenset(daemon.allowed_uids), daemon.gids("allowed_groups"), daemon.gids("admin_groups"))
+        return cls(frozenset(daemon.allowed_uids), daemon.gids("allowed_groups"), daemon.gids("admin_groups"),
+                   float(daemon.request_timeout_s))
 
     def role(self, peer: trust.Peer) -> trust.Peer | None:
         """`peer` with its role set, or None when it may not connect at all."""
@@ -188,23 +189,24 @@ class Server:
             while True:
                 if not self._waits(conn, creds.uid, True):
                     return              # closed to make room for another
-                conn.settimeout(IDLE_S)
+                timeout = self.policy.timeout_s
+                conn.settimeout(timeout)
                 try:
                     msg, _ = protocol.recv(conn, protocol.MAX_REQUEST, protocol.REQUESTS, accept_fds=False,
-                                           frame_timeout=FRAME_S)
+                                           frame_timeout=timeout)
                 except protocol.FramingError as e:
-                    conn.settimeout(FRAME_S)
+                    conn.settimeout(timeout)
                     protocol.send(conn, protocol.Error(e.what, e.fix))
                     return
                 except protocol.ProtocolError as e:
-                    conn.settimeout(FRAME_S)
+                    conn.settimeout(timeout)
                     protocol.send(conn, protocol.Error(e.what, e.fix))
                     continue
                 if msg is None or not self._waits(conn, creds.uid, False):
                     return
                 peer = self.policy.role(peer._replace(admin=False))     # as the config says now (a reload)
                 if peer is None:
-                    conn.settimeout(FRAME_S)
+                    conn.settimeout(timeout)
                     protocol.send(conn, protocol.Error(f"uid {creds.uid} may no longer use this daemon",
                                                        "run as the daemon's user or list it in allowed_uids"))
                     return
@@ -237,7 +239,7 @@ class Server:
                                               "see the daemon's log"), [], lambda sent: None
         sent = False
         try:
-            conn.settimeout(FRAME_S)
+            conn.settimeout(self.policy.timeout_s)
             protocol.send(conn, reply, fds)
             sent = True
         finally:
