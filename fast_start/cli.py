@@ -282,8 +282,9 @@ def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint 
     The options obey the config's rules for a [[model]] (and, for layout hf, the TP size must divide
     the model's heads and widths, as the fill requires): a digest is only printed for a rank a
     daemon could serve. --rank counts TP × PP ranks within --dp-rank's engine."""
-    m = configs.ModelConfig("fingerprint", str(model.absolute()), (0,), tp, 0, dtype, quantization, layout, revision,
-                            engine_version, pipeline_parallel_size=pp, kv_cache_dtype=kv_cache_dtype,
+    m = configs.ModelConfig(name="fingerprint", path=str(model.absolute()), gpus=(0,), tensor_parallel_size=tp,
+                            dtype=dtype, quantization=quantization, layout=layout, revision=revision,
+                            engine_version=engine_version, pipeline_parallel_size=pp, kv_cache_dtype=kv_cache_dtype,
                             data_parallel_size=dp, enable_expert_parallel=ep, expert_placement_strategy=placement)
     configs.check_model(m, "fingerprint:", check_paths=True, names=FLAGS)
     ranks = tp * pp
@@ -293,7 +294,7 @@ def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint 
     if not 0 <= dp_rank < dp:
         raise ConfigError(f"fingerprint: --dp-rank {dp_rank} is outside the {dp} DP rank(s) of --dp {dp}",
                           f"use a DP rank from 0 to {dp - 1}")
-    if layout == "hf":          # vLLM's layout: vLLM judges its own TP sizes when it fills
+    if m.engine is None:        # an engine judges its own TP sizes when it fills
         _check_tp(model, tp, "fingerprint: --tp")
     m = dataclasses.replace(m, rank_offset=dp_rank * ranks + rank)
     fp = fingerprint(m.spec(0))
@@ -421,7 +422,7 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON):
     largest: dict[int, int] = {}
     for m in cfg.models:
         try:
-            if m.layout == "hf":
+            if m.engine is None:
                 _check_tp(Path(m.path), m.tensor_parallel_size, "tensor_parallel_size")
             for gpu in m.gpus:
                 spec = m.spec(gpu)

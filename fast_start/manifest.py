@@ -3,8 +3,8 @@
 JSON on the wire: the fingerprint, the arenas (size, device), the tensors (name, dtype, shape,
 arena, offset, nbytes, checksum; a `stride` where the tensor is a view, e.g. vLLM's transposed
 FP8 weights, whose entries may then share bytes), tied-weight aliases (name -> name of the tensor
-it shares) and, for a model filled by vLLM, what its plugin needs to install it (`engine`:
-`engines/vllm/state.py`).
+it shares) and, for a model an engine filled, what its plugin needs to install it (`engine`:
+the engine's record, e.g. `engines/vllm/record.py`).
 `Manifest.from_json` checks everything a client relies on before it builds a single view, so a
 manifest from a buggy or hostile peer cannot make a client read outside an arena. Plain Python:
 the daemon parses and stores manifests without torch; the checksums are `arena.checksum`'s.
@@ -47,7 +47,7 @@ class Manifest:
     arenas: tuple[ArenaEntry, ...]
     tensors: tuple[TensorEntry, ...]
     aliases: dict[str, str]
-    engine: dict = field(default_factory=dict)   # a vLLM fill's stage, plan and signature
+    engine: dict = field(default_factory=dict)   # an engine's record of its fill ({} for fast-start's own)
 
     def to_dict(self) -> dict:
         """The JSON object `from_dict` reads back."""

@@ -70,3 +70,23 @@ def test_a_layout_no_engine_names_lists_the_known_ones(tmp_path, small):
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [toy_model(small, layout="nosuch")])
     with pytest.raises(ConfigError, match="layout' is 'nosuch'.*use one of hf, vllm"):
         configs.load(cfg)
+
+
+def test_a_fill_record_this_version_cannot_read_is_a_miss_naming_what():
+    """The vLLM fill's record (the manifest's `engine`) round-trips through JSON, and one this
+    version cannot read is a miss that names the key, before anything is installed."""
+    import json
+
+    from fast_start.engines.vllm.record import FillRecord
+    table = {"table": [], "modules": {}}
+    record = FillRecord("vllm", "processed", table, [], ("b",), ("r",), table, {"gpu": "x"}, None)
+    d = json.loads(json.dumps(record.to_dict()))
+    assert FillRecord.from_dict(d) == record
+    for bad, what in (({**d, "future": 1}, "keys this version does not know: future"),
+                      ({k: v for k, v in d.items() if k != "plan"}, "lacks plan"),
+                      ({**d, "stage": "half"}, "stage 'half' without"),
+                      ({**d, "signature": None}, "stage 'processed' without"),
+                      ({**d, "attention": "x"}, "attention of type str, not list"),
+                      ([], "is not a table")):
+        with pytest.raises(CacheMiss, match=what):
+            FillRecord.from_dict(bad)

@@ -753,17 +753,19 @@ def test_a_model_built_on_meta_with_a_tensor_left_there_is_a_miss_naming_it():
     installed (a tensor in a kernel object's list here) is a miss that names where it is held."""
     from fast_start.errors import CacheMiss
     from fast_start.engines.vllm.install import check_complete
+    from fast_start.engines.vllm.record import FillRecord
 
     class Kernel:
         def __init__(self, device):
             self.tables = [torch.zeros(2, device=device)]
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     model[0].quant_method = Kernel("cpu")
-    check_complete(model, {"attrs": {}})
+    on_meta = FillRecord("vllm", "loaded", {}, [], attrs={})
+    check_complete(model, on_meta)
     model[0].quant_method = Kernel("meta")
-    check_complete(model, {})        # built on the device: nothing to check
+    check_complete(model, FillRecord("vllm", "loaded", {}, []))        # built on the device: nothing to check
     with pytest.raises(CacheMiss, match=r"still holds 1 value\(s\) on meta after installing the cache: 0.quant_method"):
-        check_complete(model, {"attrs": {}})
+        check_complete(model, on_meta)
 
 
 def test_a_meta_builds_recorded_attributes_are_made_again_and_a_bad_record_is_a_miss_naming_it():
@@ -772,6 +774,10 @@ def test_a_meta_builds_recorded_attributes_are_made_again_and_a_bad_record_is_a_
     make again is a miss that names the attribute, and the model is left as it was."""
     from fast_start.errors import CacheMiss
     from fast_start.engines.vllm.install import complete
+    from fast_start.engines.vllm.record import FillRecord
+
+    def record(attrs):
+        return FillRecord("vllm", "loaded", {}, [], attrs=attrs)
 
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
@@ -779,7 +785,7 @@ def test_a_meta_builds_recorded_attributes_are_made_again_and_a_bad_record_is_a_
     attrs = {"0.k_scale": ["float32", [], "cuda", [0.5]], "1.k_scale": ["float32", [], "cuda", [2.0]],
              "1.table": ["int32", [2, 2], "cuda", [1, 2, 3, 4]], "0.empty": ["float32", [0], "cuda", []],
              "0.host": ["bfloat16", [2], "cpu", [1.0, -1.0]], "1.where": ["device", "cuda"]}
-    complete(modules, {"attrs": attrs}, torch.device("cpu"))
+    complete(modules, record(attrs), torch.device("cpu"))
     assert model[0].k_scale.item() == 0.5 and model[1].k_scale.item() == 2.0
     assert model[1].table.tolist() == [[1, 2], [3, 4]] and model[1].table.dtype == torch.int32
     assert model[0].empty.shape == (0,) and model[0].host.tolist() == [1.0, -1.0]
@@ -790,11 +796,11 @@ def test_a_meta_builds_recorded_attributes_are_made_again_and_a_bad_record_is_a_
     for bad in (["float33", [], "cuda", [1.0]], ["float32", [3], "cuda", [1.0]], ["float32", []]):
         fresh = torch.nn.Sequential(torch.nn.Linear(2, 2))
         with pytest.raises(CacheMiss, match=r"the fill's record of attribute 0.v_scale is unusable"):
-            complete(dict(fresh.named_modules()), {"attrs": {"0.k_scale": attrs["0.k_scale"], "0.v_scale": bad}},
+            complete(dict(fresh.named_modules()), record({"0.k_scale": attrs["0.k_scale"], "0.v_scale": bad}),
                      torch.device("cpu"))
         assert not hasattr(fresh[0], "k_scale"), "a refused record must leave the model as it was"
     with pytest.raises(CacheMiss, match=r"attribute 2.k_scale of a module this engine's model lacks"):
-        complete(modules, {"attrs": {"2.k_scale": attrs["0.k_scale"]}}, torch.device("cpu"))
+        complete(modules, record({"2.k_scale": attrs["0.k_scale"]}), torch.device("cpu"))
 
 
 def speculating(method: str, draft: Path) -> dict:

@@ -35,8 +35,10 @@ from collections.abc import Callable
 import torch
 
 from ... import arena as arenas
+from . import ENGINE
 from . import attention as vllm_attention, preprocessed as vllm_preprocessed
 from . import rules as vllm_rules, state as vllm_state
+from .record import FillRecord
 from ...errors import FastStartError
 from ...fingerprint import WeightSpec, fingerprint
 from ...manifest import ALIGN, CHUNK, ArenaEntry, Manifest, TensorEntry, place
@@ -195,23 +197,22 @@ def _fill(spec: WeightSpec, want, config, device: str, progress, chunk: int) -> 
         loader.counter_before_loading_weights = time.perf_counter()
         loader.load_weights(model, model_config)
         attrs = vllm_state.small_attrs(model)     # as the engine's model holds them before processing
-        engine = {"engine": "vllm", "stage": stage, "plan": plan, "attention": attention}
         if stage == "processed":       # what the kernels made here is cached: their libraries and GPU too
-            engine["kernels"] = vllm_state.kernel_environment(target)
+            kernels = vllm_state.kernel_environment(target)
             with set_default_torch_dtype(model_config.dtype), vllm_preprocessed.deferred(model, target) as later:
                 loader_utils.process_weights_after_loading(model, model_config, target)
                 plain: dict[int, torch.Tensor] = {}      # one per object: tied names stay one
                 named = [(n, plain.setdefault(id(t), t.detach())) for n, t in [*_params(model), *model.named_buffers()]]
-                engine.update(removed=sorted(built - {n for n, _ in model.named_parameters()}),
-                              buffers=[n for n, _ in model.named_buffers()])
+                removed = tuple(sorted(built - {n for n, _ in model.named_parameters()}))
+                buffers = tuple(n for n, _ in model.named_buffers())
             later()      # as the engine will, over the tensors cached as they were
-            engine["signature"] = vllm_state.signature(model)
-            _meta_build(config, engine, {n for n, _ in named} | set(engine["removed"]), attrs)
-            manifest, fds = export(want, named, device, engine, progress, chunk)
+            record = FillRecord(ENGINE.name, stage, plan, attention, buffers, removed, vllm_state.signature(model),
+                                kernels, _meta_build(config, {n for n, _ in named} | set(removed), attrs))
+            manifest, fds = export(want, named, device, record, progress, chunk)
         else:
             params, buffers = list(_params(model)), list(model.named_buffers())
-            engine["buffers"] = [n for n, _ in buffers]
-            _meta_build(config, engine, {n for n, _ in [*params, *buffers]}, attrs)
+            record = FillRecord(ENGINE.name, stage, plan, attention, tuple(n for n, _ in buffers),
+                                attrs=_meta_build(config, {n for n, _ in [*params, *buffers]}, attrs))
 
             def process(entries: list[TensorEntry]) -> None:
                 """vLLM's processing over the exported tensors (in the arena on a GPU, as an engine
@@ -226,17 +227,17 @@ def _fill(spec: WeightSpec, want, config, device: str, progress, chunk: int) -> 
                                          "cache memory", "use vLLM 0.30 or later, whose pre-processed pass skips it")
 
             hold = "repoint" if target.type == "cuda" else "keep"
-            manifest, fds = export(want, [*params, *buffers], device, engine, progress, chunk, hold, then=process)
+            manifest, fds = export(want, [*params, *buffers], device, record, progress, chunk, hold, then=process)
     return manifest, fds
 
 
-def _meta_build(config, engine: dict, exported: set[str], attrs: dict[str, list]) -> None:
+def _meta_build(config, exported: set[str], attrs: dict[str, list]) -> dict | None:
     """Whether an engine can build this model on the `meta` device and complete it from the cache:
     builds it so here, with vLLM's registrations emptied meanwhile (as in a fresh engine process).
     Where every tensor the build leaves on meta is an exported parameter or buffer or a small
-    attribute recorded by value, `engine["attrs"]` holds those attributes' values; otherwise
-    (vLLM cannot build it on meta, or leaves something else there) the engine builds on its
-    device as before."""
+    attribute recorded by value, returns those attributes' values (the record's `attrs`);
+    otherwise (vLLM cannot build it on meta, or leaves something else there) None: the engine
+    builds on its device."""
     from vllm.model_executor.model_loader import utils as loader_utils
     from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -251,11 +252,11 @@ def _meta_build(config, engine: dict, exported: set[str], attrs: dict[str, list]
             if not vllm_state.is_meta(value) or (kind in ("param", "buffer") and name in exported):
                 continue
             if kind != "attr" or name not in attrs:
-                return
+                return None
             need[name] = attrs[name]
-        engine["attrs"] = need
+        return need
     except Exception:      # noqa: BLE001 - vLLM cannot build this model on meta: the engine builds on its device
-        return
+        return None
     finally:
         vllm_state.restore_registrations(config, before)
 
@@ -279,7 +280,7 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return (s.data_ptr(), s.nbytes()) if s.nbytes() else ("empty", id(t))
 
 
-def export(want, named, device: str, engine: dict, progress=None, chunk: int = CHUNK, hold: str = "",
+def export(want, named, device: str, record: FillRecord, progress=None, chunk: int = CHUNK, hold: str = "",
            then: Callable[[list[TensorEntry]], None] | None = None) -> tuple[Manifest, list[int]]:
     """Write each distinct storage behind `named` once into arenas of at most `chunk` bytes (a
     storage larger than that gets an arena of its own); entries keep strides. Names of one tensor
@@ -301,7 +302,7 @@ def export(want, named, device: str, engine: dict, progress=None, chunk: int = C
         storages.setdefault(_storage_key(t), t.untyped_storage())
     # Buffers may outlive the model: vLLM shares one rotary embedding (and its cache) between
     # every model built with the same settings, so the next fill's model holds it too.
-    buffers = set(engine.get("buffers", ()))
+    buffers = set(record.buffers)
     shared = {t.untyped_storage().data_ptr() for name, t in named if name in buffers}
     where, sizes = place([s.nbytes() for s in storages.values()], chunk)
     bases = dict(zip(storages, where))              # storage -> (arena, offset)
@@ -353,7 +354,7 @@ def export(want, named, device: str, engine: dict, progress=None, chunk: int = C
         for w in writers:
             w.abort()
         raise
-    manifest = Manifest(want, tuple(made), tuple(entries), aliases, engine)
+    manifest = Manifest(want, tuple(made), tuple(entries), aliases, record.to_dict())
     manifest.validate()
     return manifest, fds
 

@@ -22,33 +22,32 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from . import preprocessed as vllm_preprocessed, state as vllm_state
 from ...client import Weights, fit_error
 from ...errors import CacheMiss
+from .record import FillRecord
 
 
-def prepare(model: torch.nn.Module, weights: Weights, model_config, device: torch.device) -> None:
+def prepare(model: torch.nn.Module, weights: Weights, record: FillRecord, model_config, device: torch.device) -> None:
     """Install `weights` into the weightless `model` and bring it to vLLM's runtime state; raises
-    CacheMiss where the fill's kernels or resulting state differ from this engine's."""
-    engine = weights.engine
-    if "kernels" in engine:
-        differs = vllm_state.environment_differences(engine["kernels"], vllm_state.kernel_environment(device))
+    CacheMiss where the fill's kernels or resulting state (`record`) differ from this engine's."""
+    if record.kernels is not None:
+        differs = vllm_state.environment_differences(record.kernels, vllm_state.kernel_environment(device))
         if differs:
             raise CacheMiss("this engine's kernel libraries or GPU differ from the fill's: " + "; ".join(differs),
                             "fill from the engine's environment (the model's python), on this GPU")
-    if "plan" in engine:
-        differs = vllm_state.differences(engine["plan"], vllm_state.kernel_plan(model))
-        if differs:
-            raise CacheMiss("this engine chose other kernels than the fill: " + "; ".join(differs),
-                            "fill with the engine's settings (engine_env, kv_cache_dtype, worker python, GPU)")
+    differs = vllm_state.differences(record.plan, vllm_state.kernel_plan(model))
+    if differs:
+        raise CacheMiss("this engine chose other kernels than the fill: " + "; ".join(differs),
+                        "fill with the engine's settings (engine_env, kv_cache_dtype, worker python, GPU)")
     modules = dict(model.named_modules())     # one walk for the installs: neither changes the tree
-    if engine.get("stage", "loaded") == "loaded":
-        install(modules, weights)
-        complete(modules, engine, device)
+    if record.stage == "loaded":
+        install(modules, weights, record)
+        complete(modules, record, device)
         with set_default_torch_dtype(model_config.dtype):
             vllm_utils.process_weights_after_loading(model, model_config, device)
-        check_complete(model, engine)
+        check_complete(model, record)
         return
-    install_processed(model, weights, engine)
-    complete(modules, engine, device)
-    recorded = vllm_state.per_module(engine["signature"])
+    install_processed(model, weights, record)
+    complete(modules, record, device)
+    recorded = vllm_state.per_module(record.signature)
     hook = vllm_preprocessed.has_hook()
     told = _mark_processed_online_layers(model, recorded) if hook else []
     try:
@@ -64,8 +63,8 @@ def prepare(model: torch.nn.Module, weights: Weights, model_config, device: torc
         for method in told:
             del method.supports_pre_processed_weights
     mend_gaps(model, recorded)
-    check_complete(model, engine)
-    differs = vllm_state.differences(engine["signature"], vllm_state.signature(model))
+    check_complete(model, record)
+    differs = vllm_state.differences(record.signature, vllm_state.signature(model))
     if differs:
         raise CacheMiss("vLLM's pre-processed pass left other state than the fill's processing: " + "; ".join(differs),
                         "report this with your vLLM version; the default loader is used meanwhile")
@@ -80,11 +79,11 @@ def _pre_processed(hook: bool):
     return weights_already_processed()
 
 
-def install_processed(model: torch.nn.Module, weights: Weights, engine: dict) -> None:
+def install_processed(model: torch.nn.Module, weights: Weights, record: FillRecord) -> None:
     """Every parameter and buffer of the fill's processed model, by name: parameters become
     Parameters over the cached tensors (keeping the attributes vLLM set on the constructed ones,
     tied names one object), those processing dropped are dropped, buffers are copied."""
-    buffers, removed = set(engine["buffers"]), set(engine["removed"])
+    buffers, removed = set(record.buffers), set(record.removed)
     cached = [*weights.tensors, *weights.aliases]
     own = dict(model.named_parameters(remove_duplicate=False))
     missing = [n for n in own if n not in weights.tensors and n not in weights.aliases and n not in removed]
@@ -183,7 +182,7 @@ def _find_kernel(method, described: str):
     return None
 
 
-def install(modules: dict[str, torch.nn.Module], weights: Weights) -> None:
+def install(modules: dict[str, torch.nn.Module], weights: Weights, record: FillRecord) -> None:
     """Point every parameter of a model (`modules`: its named modules) at its tensor in `weights`
     and copy the cached buffers in; raises LoadError if any does not fit.
 
@@ -195,7 +194,7 @@ def install(modules: dict[str, torch.nn.Module], weights: Weights) -> None:
     params, own_buffers = _named(modules, "_parameters"), _named(modules, "_buffers")
     tensors, aliases = weights.tensors, weights.aliases
     cached = {n: tensors.get(aliases.get(n, n)) for n in [*params, *own_buffers]}
-    buffers = set(weights.engine.get("buffers", ())) & tensors.keys() & own_buffers.keys()
+    buffers = set(record.buffers) & tensors.keys() & own_buffers.keys()
     wrong = [f"{n}: got {t.dtype} {tuple(t.shape)}, vLLM has {p.dtype} {tuple(p.shape)}"
              for n, p in [*params.items(), *own_buffers.items()]
              if (t := cached[n]) is not None and (t.shape != p.shape or t.dtype != p.dtype)]
@@ -234,18 +233,18 @@ def _named(modules: dict[str, torch.nn.Module], table: str) -> dict[str, torch.T
     return out
 
 
-def complete(modules: dict[str, torch.nn.Module], engine: dict, device: torch.device) -> None:
+def complete(modules: dict[str, torch.nn.Module], record: FillRecord, device: torch.device) -> None:
     """What a model built on meta (`modules`: its named modules) lacks besides its parameters and
     buffers: the attributes the fill recorded by value, and what vLLM recorded of it for
     `reload_weights` (`_mend_reload_record`). A no-op for a model built on the device."""
-    if engine.get("attrs") is None:
+    if record.attrs is None:
         return
-    for name in engine["attrs"]:
+    for name in record.attrs:
         if name.rpartition(".")[0] not in modules:
             raise CacheMiss(f"the fill recorded attribute {name} of a module this engine's model lacks",
                             "fill with the engine's vLLM, model, TP/PP size and dtype")
     try:
-        values = vllm_state.made(engine["attrs"], device)
+        values = vllm_state.made(record.attrs, device)
     except vllm_state.RecordError as e:
         raise CacheMiss(f"the fill's record of attribute {e.name} is unusable ({e.cause})",
                         "evict the model (fast-start evict) so that it is filled again") from None
@@ -274,9 +273,9 @@ def _mend_reload_record(modules, device: torch.device) -> None:
             info.restore_metadata = (info.restore_metadata[0], capture_layer_to_meta(module)[1])
 
 
-def check_complete(model: torch.nn.Module, engine: dict) -> None:
+def check_complete(model: torch.nn.Module, record: FillRecord) -> None:
     """Raises CacheMiss where a model built on meta still holds a tensor or device on meta."""
-    if engine.get("attrs") is None:
+    if record.attrs is None:
         return
     left = [vllm_state.dotted(module, key) for module, key, _, value in vllm_state.held(model)
             if vllm_state.is_meta(value)]

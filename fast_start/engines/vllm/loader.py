@@ -58,7 +58,9 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from . import attention as vllm_attention, rules as vllm_rules, state as vllm_state
+from . import ENGINE
 from .install import prepare
+from .record import FillRecord
 from ...client import MODES, cached, fetch, release
 from ...errors import CacheMiss, FastStartError, QuantizationError
 from ...fingerprint import WeightSpec
@@ -365,11 +367,12 @@ class FastStartLoader(BaseModelLoader):
             weights = fetch(spec, device, o.mode, fallback=False, socket_dir=o.socket_dir,
                             connect_timeout=o.connect_timeout_s)
             clock.append(time.perf_counter())
-            on_meta = weights.engine.get("attrs") is not None
-            with vllm_attention.choosing(weights.engine.get("attention")):
+            record = FillRecord.from_dict(weights.engine)
+            on_meta = record.attrs is not None
+            with vllm_attention.choosing(record.attention):
                 model = build(vllm_config, model_config, prefix, device, on_meta)
             clock.append(time.perf_counter())
-            prepare(model, weights, model_config, device)
+            prepare(model, weights, record, model_config, device)
             clock.append(time.perf_counter())
         except FastStartError as miss:
             if weights is not None:
@@ -392,7 +395,7 @@ class FastStartLoader(BaseModelLoader):
             rank += f" (DP rank {spec.data_parallel_rank} of {spec.data_parallel_size})"
         log.info("fast-start: %d tensors (%.1f MiB, %s) for %s from the cache (%s): fetch %.1f ms, "
                  "model built on %s %.1f ms, installed %.1f ms (this thread's CPU time: %.1f of %.1f ms)",
-                 len(weights), nbytes / 2**20, weights.engine.get("stage", "loaded"), rank, o.mode, fetched,
+                 len(weights), nbytes / 2**20, record.stage, rank, o.mode, fetched,
                  "meta" if on_meta else "the device", built, prepared, cpu, fetched + built + prepared)
         model.fast_start_source = weights.source
         if o.mode == "zero_copy":       # read by _count_mapped_weights on vLLM < 0.32
@@ -437,9 +440,11 @@ def weight_spec(model_config, vllm_config, parallel=None) -> WeightSpec:
     dp = parallel.data_parallel_size
     experts = vllm_rules.expert_parallel(getattr(parallel, "enable_expert_parallel", False),
                                          getattr(parallel, "expert_placement_strategy", "linear"), tp, dp)
-    return WeightSpec(_local_folder(model_config), tp, rank, dtype, quantization, "vllm",
-                      model_config.revision or "main", vllm.__version__, pp, options,
-                      dp, get_dp_group().rank_in_group if dp > 1 else 0, experts)
+    return WeightSpec(path=_local_folder(model_config), tensor_parallel_size=tp, rank=rank, dtype=dtype,
+                      quantization=quantization, layout=ENGINE.name, revision=model_config.revision or "main",
+                      engine_version=vllm.__version__, pipeline_parallel_size=pp, engine_options=options,
+                      data_parallel_size=dp, data_parallel_rank=get_dp_group().rank_in_group if dp > 1 else 0,
+                      expert_parallel=experts)
 
 
 def _kernel_choices(vllm_config, parallel) -> list[str]:
