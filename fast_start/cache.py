@@ -3,13 +3,10 @@
 `Cache.handle` answers one decoded request; it is called from many connection threads and takes
 the lock for every change. It never raises for a bad request: the reply says what was wrong.
 
-No client can make the daemon run out of file descriptors:
-- a lease is tracked by one pidfd per engine *process*, shared by all of that process's leases,
-  and a process that asks again for a model it already maps in `zero_copy` gets its lease back;
-- a process holds at most `MAX_LEASES_PER_PROCESS` leases, a uid has leases in at most
-  `limits.processes_per_uid` processes, and all processes together fit the daemon's fd budget;
-- arena fds go out as they are (no dup per reply): an entry is pinned while a reply carrying its
-  fds is being sent, and an eviction closes them once the last such reply is out.
+No client can make the daemon run out of file descriptors: leases are bounded and share one
+pidfd per engine process (`leases.py`); arena fds go out as they are (no dup per reply): an
+entry is pinned while a reply carrying its fds is being sent, and an eviction closes them once
+the last such reply is out. Evictions are kept in `history.py`.
 
 Roles: any allowed peer may acquire and release its own leases and read status; evicting needs
 an *admin* (root, the daemon's user, or a member of `admin_groups`), and other peers see neither
@@ -17,20 +14,18 @@ model paths nor other users' leases.
 """
 from __future__ import annotations
 
-import collections
-import json
 import logging
 import os
-import select
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable
 
-from . import files, memory, protocol, table, trust, watch
+from . import memory, protocol, table, trust, watch
 from .config import ModelConfig
 from .fingerprint import Fingerprint
+from .history import Eviction, History
+from .leases import Lease, Leases, Limits
 from .manifest import Manifest
 from .metrics import Metrics
 from .trust import Peer
@@ -38,8 +33,6 @@ from .trust import Peer
 log = logging.getLogger("fast_start.daemon")
 
 MODES = ("zero_copy", "copy")
-MAX_LEASES_PER_PROCESS = 64
-MAX_EVICTIONS = 200
 
 
 @dataclass
@@ -70,73 +63,23 @@ class Entry:
         self.fds = []
 
 
-@dataclass
-class Lease:
-    id: int
-    pid: int
-    uid: int
-    model: str
-    mode: str
-    since: float
-
-
-@dataclass
-class Process:
-    """An engine process holding leases; its pidfd becomes readable when it exits."""
-    pid: int
-    uid: int
-    pidfd: int
-    leases: set[int] = field(default_factory=set)
-
-
-@dataclass(frozen=True)
-class Eviction:
-    """One eviction as `fast-start evictions` shows it and the history file keeps it."""
-    time: float
-    model: str
-    reason: str
-    bytes: int
-    leases: int
-
-    @classmethod
-    def from_json(cls, obj) -> "Eviction":
-        """An entry of the history file; ValueError naming what is wrong with it."""
-        want = cls.__annotations__         # field -> type name
-        if not isinstance(obj, dict) or set(obj) != set(want):
-            raise ValueError(f"an entry has fields {sorted(obj) if isinstance(obj, dict) else type(obj).__name__}")
-        for name, kind in want.items():
-            ok = isinstance(obj[name], (int, float) if kind == "float" else int if kind == "int" else str)
-            if not ok or isinstance(obj[name], bool):
-                raise ValueError(f"an entry's {name} is {obj[name]!r}, not {kind}")
-        return cls(**obj)
-
-
-@dataclass(frozen=True)
-class Limits:
-    processes: int = 4096           # engine processes with leases, all users (one pidfd each)
-    processes_per_uid: int = 256
-
-
 class Cache:
     def __init__(self, gpu: int, device: str, on_release: str, limits: Limits = Limits(),
                  on_evict: Callable[[Entry], None] = lambda entry: None,
                  on_process: Callable[[int], None] = lambda pidfd: None,
                  on_stale: Callable[[str, str], None] = lambda model, why: None,
                  on_fill: Callable[[str], None] = lambda model: None):
-        self.gpu, self.device, self.on_release, self.limits = gpu, device, on_release, limits
+        self.gpu, self.device, self.on_release = gpu, device, on_release
         self.keep_free = 0                              # bytes fills leave free for engines (`[daemon] keep_free`)
         self.notes: dict[str, str] = {}                 # model -> the last copy refused for want of room
-        self.on_evict, self.on_process, self.on_stale, self.on_fill = on_evict, on_process, on_stale, on_fill
+        self.on_evict, self.on_stale, self.on_fill = on_evict, on_stale, on_fill
         self.entries: dict[str, Entry] = {}
-        self.leases: dict[int, Lease] = {}
-        self.procs: dict[int, Process] = {}
+        self.leases = Leases(limits, on_process)        # under `lock`
         self.configured: tuple[str, ...] = ()          # models this GPU should hold
         self.pending: dict[str, dict] = {}             # configured but not cached: state and detail
         self.former: dict[str, tuple[Fingerprint, str]] = {}   # a pending model's evicted fingerprint, why
-        self.evictions: collections.deque = collections.deque(maxlen=MAX_EVICTIONS)
-        self.history: Path | None = None               # where the evictions are kept across restarts
+        self.history = History()
         self.lock = threading.Lock()
-        self.next_lease = 1
         self.metrics = Metrics(gpu)
 
     def add(self, entry: Entry) -> None:
@@ -229,8 +172,8 @@ class Cache:
         with self.lock:
             if best.retired:
                 return _no(protocol.Miss("the model was evicted meanwhile", [], best.model.name))
-            first_new = self.next_lease
-            lease = self._lease(peer, best.model.name, msg.mode)
+            first_new = self.leases.next_id
+            lease = self.leases.take(peer, best.model.name, msg.mode, f"GPU {self.gpu}")
             if isinstance(lease, protocol.Error):
                 return _no(lease)
             best.pins += 1
@@ -303,49 +246,15 @@ class Cache:
                              f"{entry.model.path} ({other})", ["files"], entry.model.name,
                              "load the model from the folder the daemon's [[model]] path names")
 
-    def _lease(self, peer: Peer, model: str, mode: str) -> Lease | protocol.Error:
-        """A lease for `peer` on `model` (under the lock): its existing zero_copy one, or a new one."""
-        proc = self.procs.get(peer.pid)
-        if proc is not None:
-            if mode == "zero_copy":
-                for lid in proc.leases:
-                    if self.leases[lid].model == model and self.leases[lid].mode == mode:
-                        return self.leases[lid]
-            if len(proc.leases) >= MAX_LEASES_PER_PROCESS:
-                return protocol.Error(f"pid {peer.pid} holds {len(proc.leases)} leases on GPU {self.gpu}, the most "
-                                      "one process may hold", "release copy-mode leases, or reuse fetched weights")
-        else:
-            if sum(1 for p in self.procs.values() if p.uid == peer.uid) >= self.limits.processes_per_uid:
-                return protocol.Error(f"uid {peer.uid} has leases in {self.limits.processes_per_uid} processes, the "
-                                      "most one user may have", "end engine processes that no longer need the cache")
-            if len(self.procs) >= self.limits.processes:
-                return protocol.Error(f"the daemon tracks {len(self.procs)} engine processes, its limit",
-                                      "raise LimitNOFILE= of the unit, or end engine processes")
-            try:
-                pidfd = os.pidfd_open(peer.pid) if peer.pid > 0 else -1
-            except ProcessLookupError:
-                pidfd = -1              # already gone: nothing to track
-            except OSError as e:
-                return protocol.Error(f"cannot track pid {peer.pid}: {e.strerror}", "raise LimitNOFILE= of the unit")
-            if pidfd >= 0:
-                proc = self.procs[peer.pid] = Process(peer.pid, peer.uid, pidfd)
-                self.on_process(pidfd)
-        lease = Lease(self.next_lease, peer.pid, peer.uid, model, mode, time.time())
-        self.next_lease += 1
-        if proc is not None:
-            proc.leases.add(lease.id)
-            self.leases[lease.id] = lease
-        return lease
-
     def _sent(self, entry: Entry, lease: Lease, keep: bool, sent: bool) -> None:
         """A reply carrying `entry`'s fds is out, or failed: a lease made for it ends unless kept
         (a copy-mode lease ends here, and once its reply is out `on_release` applies as for a
         release)."""
         with self.lock:
             entry.pins -= 1
-            ended = not keep and lease.id in self.leases
+            ended = not keep and lease.id in self.leases.held
             if ended:
-                self._drop_lease(lease)
+                self.leases.drop(lease)
             close = entry.retired and entry.pins == 0
             evict = sent and ended and lease.mode == "copy" and self.on_release == "drop" and \
                 self.entries.get(lease.model) is entry
@@ -356,25 +265,16 @@ class Cache:
 
     def process_exited(self, pidfd: int) -> None:
         """`pidfd` became readable: if its process really exited, end all its leases."""
-        poll = select.poll()
-        poll.register(pidfd, select.POLLIN)
-        if not poll.poll(0):
-            return              # a stale event for an fd number already reused
         with self.lock:
-            proc = next((p for p in self.procs.values() if p.pidfd == pidfd), None)
-            if proc is not None:
-                ended = sorted(proc.leases)
-                for lid in ended:
-                    self._drop_lease(self.leases[lid])
-                log.info("pid %d (uid %d) exited: lease(s) %s ended", proc.pid, proc.uid, ", ".join(map(str, ended)))
+            self.leases.exited(pidfd)
 
     def release(self, lease_id: int, peer: Peer):
         with self.lock:
-            lease = self.leases.get(lease_id)
+            lease = self.leases.held.get(lease_id)
             if lease is None or lease.pid != peer.pid:
                 return protocol.Error(f"lease {lease_id} is not held by pid {peer.pid}",
                                       "release only leases your process acquired")
-            self._drop_lease(lease)
+            self.leases.drop(lease)
             evict = self.on_release == "drop" and lease.model in self.entries
         log.info("lease %d on %s released by pid %d uid %d", lease_id, lease.model, peer.pid, peer.uid)
         if evict:
@@ -415,9 +315,8 @@ class Cache:
             if name in self.configured:
                 self.pending[name] = {"name": name, "state": pending, "detail": reason, "since": time.time()}
                 self.former[name] = (entry.manifest.fingerprint, reason)
-            leases = sum(1 for l in self.leases.values() if l.model == name)
-            self.evictions.append(Eviction(time.time(), name, reason, entry.nbytes, leases))
-        self._save_history()
+            leases = self.leases.on(name)
+        self.history.add(Eviction(time.time(), name, reason, entry.nbytes, leases))
         log.info("evicted %s (%s; %.2f GiB, %d lease(s) held then)", name, reason, entry.nbytes / 2**30, leases)
         self.metrics.inc("fast_start_evictions_total", model=name, reason=reason)
         self._retire(entry)
@@ -425,44 +324,8 @@ class Cache:
 
     def record(self, model: str, reason: str, nbytes: int = 0) -> None:
         """An eviction that happened outside the cache (a stored arena the config no longer matches)."""
-        with self.lock:
-            self.evictions.append(Eviction(time.time(), model, reason, nbytes, 0))
-        self._save_history()
+        self.history.add(Eviction(time.time(), model, reason, nbytes, 0))
         self.metrics.inc("fast_start_evictions_total", model=model, reason=reason)
-
-    def keep_history(self, path: Path) -> None:
-        """Keep the eviction history (the last MAX_EVICTIONS) in `path`: read back now, rewritten
-        atomically at each eviction. A file that cannot be read (not a regular file, not JSON,
-        entries of the wrong shape) is set aside with a warning: the start goes on."""
-        self.history = path
-        try:
-            saved = files.read_json(path)
-        except FileNotFoundError:
-            return
-        except (OSError, files.Unreadable) as e:
-            log.warning("cannot read the eviction history %s (%s); starting a new one", path, e)
-            return
-        kept, damaged = [], []
-        for each in saved if isinstance(saved, list) else []:
-            try:
-                kept.append(Eviction.from_json(each))
-            except ValueError as e:
-                damaged.append(str(e))
-        if damaged or not isinstance(saved, list):
-            log.warning("the eviction history %s is damaged (%s); keeping the %d readable entries", path,
-                        damaged[0] if damaged else "not a list", len(kept))
-        with self.lock:
-            self.evictions.extendleft(reversed(kept[-MAX_EVICTIONS:]))
-
-    def _save_history(self) -> None:
-        if self.history is None:
-            return
-        with self.lock:
-            snapshot = [asdict(e) for e in self.evictions]
-        try:
-            files.write_atomic(self.history, json.dumps(snapshot), 0o600)
-        except OSError as e:
-            log.warning("cannot write the eviction history %s: %s", self.history, e.strerror or e)
 
     def _retire(self, entry: Entry) -> None:
         self.on_evict(entry)
@@ -472,19 +335,9 @@ class Cache:
         if close:
             entry.close()
 
-    def _drop_lease(self, lease: Lease) -> None:
-        self.leases.pop(lease.id, None)
-        proc = self.procs.get(lease.pid)
-        if proc is not None:
-            proc.leases.discard(lease.id)
-            if not proc.leases:
-                del self.procs[lease.pid]
-                os.close(proc.pidfd)
-
     def close(self) -> None:
         with self.lock:
-            for lease in list(self.leases.values()):
-                self._drop_lease(lease)
+            self.leases.close()
             entries, self.entries = list(self.entries.values()), {}
         for entry in entries:
             entry.close()
@@ -508,7 +361,7 @@ class Cache:
                                for n, e in self.entries.items()],
                     "memory": self._memory(now),
                     "missing": missing,
-                    "leases": [asdict(l) for l in self.leases.values() if admin or l.uid == peer.uid]}
+                    "leases": [asdict(l) for l in self.leases.held.values() if admin or l.uid == peer.uid]}
 
     def _memory(self, now: memory.Memory | None) -> dict:
         """The device's total and free memory and what this daemon holds of it (bytes; "total" and
@@ -530,15 +383,14 @@ class Cache:
         with self.lock:
             gauges = [self.metrics.sample("fast_start_cached_bytes", e.nbytes, model=name)
                       for name, e in self.entries.items()]
-            gauges += [self.metrics.sample("fast_start_leases", sum(1 for l in self.leases.values() if l.model == name),
-                                           model=name) for name in self.entries]
+            gauges += [self.metrics.sample("fast_start_leases", self.leases.on(name), model=name)
+                       for name in self.entries]
             gauges += [self.metrics.sample("fast_start_device_memory_bytes", value, kind=kind)
                        for kind, value in self._memory(now).items() if kind != "keep_free"]
         return {"gpu": self.gpu, "samples": self.metrics.samples() + gauges}
 
     def eviction_list(self, peer: Peer | None = None) -> dict:
-        with self.lock:
-            return {"gpu": self.gpu, "evictions": [asdict(e) for e in self.evictions]}
+        return {"gpu": self.gpu, "evictions": self.history.listed()}
 
 
 _PARTIAL_MISS = protocol.Miss("no cached model matches before the checkpoint's headers are compared", ["partial"],

@@ -41,7 +41,8 @@ from pathlib import Path
 
 from . import __version__, fdstore, files, memory, metrics, notify, protocol, trust, watch
 from . import config as configs
-from .cache import Cache, Entry, Limits
+from .cache import Cache, Entry
+from .leases import Limits
 from .errors import ConfigError, FastStartError, NoRoom
 from .fill import FillError, Workers, worker_env
 from .fingerprint import FROM_FILES, fingerprint, requested
@@ -100,7 +101,7 @@ class Daemon:
                              memory.keep_free(cfg.daemon, gpu))
         self.sizes: dict[str, int] = {}     # model -> its bytes, as the worker estimated them (check_models)
         if os.environ.get("STATE_DIRECTORY"):           # systemd's StateDirectory=: evictions survive restarts
-            self.cache.keep_history(Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / f"gpu{gpu}.evictions.json")
+            self.cache.history.keep(Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / f"gpu{gpu}.evictions.json")
         self.server = Server(self.cache, Policy.of(cfg.daemon), max_connections)
         self.watch = watch.Watch()
         self.keeper = Keeper(self)
