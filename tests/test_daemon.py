@@ -323,24 +323,38 @@ def test_client_killed_mid_acquire_leaves_no_lease(tmp_path, small, daemons):
                             socket_dir=str(tmp_path / "run"), fallback=False).source == "cache"
 
 
-ENGINE = textwrap.dedent("""
-    import sys, fast_start
+# 32 engine processes forked from one parent that imported fast_start and torch once (each is
+# its own pid to the daemon: its own lease, pidfd and connection), all fetching at once.
+FORKED = textwrap.dedent("""
+    import os, sys, fast_start
     from fast_start.arena import checksum
-    w = fast_start.fetch(fast_start.WeightSpec(sys.argv[1], engine_version="test"), socket_dir=sys.argv[2],
-                         fallback=False)
-    print(w.source, checksum(w["model.layers.0.mlp.down_proj.weight"]))
+    children = []
+    for _ in range(int(sys.argv[3])):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                w = fast_start.fetch(fast_start.WeightSpec(sys.argv[1], engine_version="test"),
+                                     socket_dir=sys.argv[2], fallback=False)
+                line = f'{os.getpid()} {w.source} {checksum(w["model.layers.0.mlp.down_proj.weight"])}\\n'
+                os.write(1, line.encode())      # one write under PIPE_BUF: lines never interleave
+                os._exit(0)
+            except BaseException as e:
+                print(os.getpid(), "failed", repr(e), file=sys.stderr, flush=True)
+                os._exit(1)
+        children.append(pid)
+    sys.exit(max(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in children))
 """)
 
 
 def test_32_engines_fetch_at_once(tmp_path, small, daemons):
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
     daemons(cfg)
-    procs = [subprocess.Popen([sys.executable, "-c", ENGINE, str(small), str(tmp_path / "run")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(32)]
-    results = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [r[1][-500:] for r in results if r[1]]
-    lines = {r[0].strip() for r in results}
-    assert len(lines) == 1 and lines.pop().startswith("cache ")
+    p = subprocess.run([sys.executable, "-c", FORKED, str(small), str(tmp_path / "run"), "32"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [line.split() for line in p.stdout.splitlines()]
+    assert len({pid for pid, _, _ in lines}) == 32
+    assert {(source, digest) for _, source, digest in lines} == {("cache", lines[0][2])}
 
 
 def test_bad_frames_get_errors_and_the_daemon_keeps_serving(tmp_path, small, daemons):
