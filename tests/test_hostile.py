@@ -116,6 +116,7 @@ def old_bytes_served(path: Path, run: Path, old: dict[str, torch.Tensor]) -> boo
     return all(torch.equal(w[n].view(torch.uint8), t.view(torch.uint8)) for n, t in old.items())
 
 
+@pytest.mark.slow
 def test_a_rewrite_only_inotify_sees_stops_serving_at_once_while_the_keeper_refills_another(tmp_path, small,
                                                                                            daemons):
     big = synth.write_checkpoint(tmp_path / "big", synth.Shape(num_layers=4), seed=3)
@@ -168,6 +169,7 @@ def job(small) -> protocol.FillJob:
     return protocol.FillJob("small", spec(small)._asdict(), "cpu", 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,error", [("stall", "sent a bad frame: frame not complete in time"),
                                         ("repeat", "the fill made no progress for 3 s")])
 def test_a_worker_stalled_mid_frame_or_repeating_its_progress_is_declared_hung(tmp_path, small, monkeypatch,

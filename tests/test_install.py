@@ -23,6 +23,7 @@ def local_torch_wheel(into: Path) -> Path:
     return wheels[0]
 
 
+@pytest.mark.slow
 def test_without_a_local_cpu_wheel_make_takes_torch_from_the_cpu_index(tmp_path):
     wheel = local_torch_wheel(tmp_path / "wheels")
     index = tmp_path / "index" / "torch"                   # a PEP 503 index, as PyTorch's CPU index is

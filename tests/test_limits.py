@@ -196,12 +196,14 @@ def test_slow_and_silent_connections_are_cut_off(tmp_path, small, daemons):
     frame = protocol.encode(protocol.Hello(protocol.VERSION))
     t0 = time.monotonic()
     reply = None
+    slow.settimeout(1.0)
     for i, byte in enumerate(frame):       # one byte a second: the frame would take ~30 s
         try:
             slow.send(bytes([byte]))
-        except OSError:
+        except OSError:                    # cut off since the last read: its reply came first
+            slow.settimeout(5.0)
+            reply, _ = protocol.recv(slow)
             break
-        slow.settimeout(1.0)
         try:
             reply, _ = protocol.recv(slow)
             break

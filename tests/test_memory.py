@@ -83,6 +83,7 @@ def test_a_copy_with_on_release_drop_takes_the_caches_place_chunk_by_chunk(tmp_p
     assert all(torch.equal(w[n], disk[n]) for n in disk)
 
 
+@pytest.mark.slow
 def test_a_reload_adding_a_model_with_no_room_waits_naming_the_shortfall(tmp_path, small, llama_tied, daemons):
     run = tmp_path / "run"
     cfg = write_config(tmp_path / "fs.toml", run, [model("small", small)])

@@ -129,6 +129,7 @@ def test_an_allowed_uid_fetches_from_the_cache(tmp_path, open_dir, small, daemon
     assert as_nobody(d.socket, str(folder)) == "cache"
 
 
+@pytest.mark.slow
 @root_only
 def test_engines_may_not_evict_or_see_others_and_admin_groups_may(tmp_path, open_dir, small, daemons):
     folder = readable_copy(small, open_dir)

