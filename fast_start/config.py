@@ -262,7 +262,7 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
     engine, by_engine = m.engine, " or ".join(f"layout = \"{n}\"" for n in engines.names())
     for key, off in engines.ENGINE_KEYS.items():
         if getattr(m, key) != off and engine is None:
-            bad(key, f"is {getattr(m, key)} with layout {m.layout!r}",
+            bad(key, f"is {getattr(m, key)!r} with layout {m.layout!r}",
                 f"pipeline stages, data and expert parallelism are cached for {by_engine} only")
     ranks = m.tensor_parallel_size * m.pipeline_parallel_size * m.data_parallel_size
     if m.rank_offset < 0 or m.rank_offset + len(m.gpus) > ranks:
