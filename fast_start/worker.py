@@ -27,6 +27,8 @@ from .errors import FastStartError
 from .fingerprint import WeightSpec
 
 PROGRESS_EVERY = 0.2   # seconds between progress frames
+
+
 def data_plane():
     """The modules that touch tensors; a clear error when this environment cannot load them."""
     try:
