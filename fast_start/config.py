@@ -246,6 +246,11 @@ def _check_daemon(d: DaemonConfig, path: str) -> None:
         bad("arena_chunk", f"is {d.arena_chunk!r}", "write a size from 64KiB to 2GiB (default 512MiB)")
 
 
+def _by_engine() -> str:
+    """`layout = "<engine>"` for each engine (looked up in installed packages too: errors only)."""
+    return " or ".join(f"layout = \"{n}\"" for n in engines.names())
+
+
 def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, str] | None = None) -> None:
     """The rules a [[model]] table obeys; `names` renames its keys in the errors (the CLI's
     `fingerprint` names its options)."""
@@ -259,11 +264,11 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         if getattr(m, key) < 1:
             bad(key, f"is {getattr(m, key)}", "use 1 or more")
-    engine, by_engine = m.engine, " or ".join(f"layout = \"{n}\"" for n in engines.names())
+    engine = m.engine
     for key, off in engines.ENGINE_KEYS.items():
         if getattr(m, key) != off and engine is None:
             bad(key, f"is {getattr(m, key)!r} with layout {m.layout!r}",
-                f"pipeline stages, data and expert parallelism are cached for {by_engine} only")
+                f"pipeline stages, data and expert parallelism are cached for {_by_engine()} only")
     ranks = m.tensor_parallel_size * m.pipeline_parallel_size * m.data_parallel_size
     if m.rank_offset < 0 or m.rank_offset + len(m.gpus) > ranks:
         bad("rank_offset", f"{m.rank_offset} with {len(m.gpus)} GPUs serves ranks beyond {ranks - 1}",
@@ -285,7 +290,7 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
         bad("python", f"is {m.python!r}, not an absolute path", "name the engine's interpreter, e.g. "
             "/opt/vllm/.venv/bin/python")
     if m.engine_version == AUTO and engine is None:
-        bad("engine_version", f"is \"auto\", which only an engine's model ({by_engine}) can resolve",
+        bad("engine_version", f"is \"auto\", which only an engine's model ({_by_engine()}) can resolve",
             "write the version your engine passes in its WeightSpec")
     folder = Path(m.path)
     if not folder.is_absolute():
