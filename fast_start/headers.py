@@ -12,6 +12,7 @@ import struct
 from pathlib import Path
 from typing import NamedTuple
 
+from . import dtypes
 from .errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -98,7 +99,6 @@ def tensor_bytes(folder: Path) -> list[tuple[str, str, int]]:
 def rank_bytes(folder: Path, dtype: str, ranks: int) -> int:
     """A rank's bytes from the headers alone: the checkpoint's, with wider floats cast to `dtype`,
     split over `ranks` (an estimate before the model is built: replicated tensors add some)."""
-    from . import dtypes
     size = dtypes.BY_NAME[dtype].itemsize
     total = 0
     for _, code, nbytes in tensor_bytes(folder):

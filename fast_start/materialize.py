@@ -79,10 +79,12 @@ def _served_dtype(name: str, stored: torch.dtype, dtype: torch.dtype) -> torch.d
 
 def _tables(spec: WeightSpec):
     """fast-start's own tables for the as-loaded layout of the engine `spec.layout` names (None:
-    "hf", the checkpoint's names); raises where that engine has none."""
+    "hf", the checkpoint's names); raises for a layout no engine names, or whose engine has none."""
+    if spec.layout == "hf":
+        return None
     engine = engines.get(spec.layout)
     if engine is None:
-        return None
+        raise QuantizationError(f"layout {spec.layout!r} is not supported", f"use one of {', '.join(layouts())}")
     tables = engine.tables()
     if tables is None:
         raise QuantizationError(f"layout {spec.layout!r} is filled by its engine alone, which the fill worker's "
@@ -92,15 +94,13 @@ def _tables(spec: WeightSpec):
 
 def check_spec(ckpt: Checkpoint, spec: WeightSpec):
     """Everything that can be said about a spec from headers alone; raises before any data is read."""
-    if spec.layout != "hf" and engines.get(spec.layout) is None:
-        raise QuantizationError(f"layout {spec.layout!r} is not supported", f"use one of {', '.join(layouts())}")
+    tables = _tables(spec)
     method = quant.method(spec.quantization)
     quant.require_verified(method)
-    engine, tables = engines.get(spec.layout), _tables(spec)
     if tables and method.name != "none":
         raise QuantizationError(f"layout {spec.layout!r} from fast-start's own tables caches unquantized weights "
-                                f"only, not {method.name!r}", f"install {engine.title} where the fill "
-                                "worker runs (worker_python) so that it fills the model, or use layout = \"hf\"")
+                                f"only, not {method.name!r}", f"install {engines.get(spec.layout).title} where the "
+                                "fill worker runs (worker_python) so that it fills the model, or use layout = \"hf\"")
     dtype = dtypes.torch_dtype(quant.check_dtype(spec.dtype))
     tp = shard.check_tp(ckpt.dims, spec.tensor_parallel_size, spec.rank,
                         tables.VOCAB_PADDING if tables else 0)

@@ -65,8 +65,8 @@ ENGINE_PROCESSES = ("UnquantizedLinearMethod",)
 def deferred(model: torch.nn.Module, device: torch.device):
     """Around the fill's processing: on the CPU, `ENGINE_PROCESSES` layers are skipped; yields a
     function that processes them afterwards (once the tensors to cache are taken)."""
-    layers = [m for m in model.modules() if device.type == "cpu"
-              and _names(getattr(m, "quant_method", None)) & set(ENGINE_PROCESSES)]
+    layers = [m for m in model.modules() if _names(getattr(m, "quant_method", None)) & set(ENGINE_PROCESSES)] \
+        if device.type == "cpu" else []
     methods = {id(m.quant_method): m.quant_method for m in layers}
     for method in methods.values():
         method.process_weights_after_loading = lambda layer: None
