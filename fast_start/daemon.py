@@ -187,15 +187,18 @@ class Daemon:
         with self.cache.lock:
             need = sum(e.nbytes for e in self.cache.entries.values())
         for m in models:
-            for msg, _ in workers.get(self.cfg.python(m)).run(protocol.CheckJob(m.name, m.spec(self.gpu)._asdict())):
-                need += msg.bytes
-                self.sizes[m.name] = msg.bytes
+            try:
+                for msg, _ in workers.get(self.cfg.python(m)).run(protocol.CheckJob(m.name, m.spec(self.gpu)._asdict())):
+                    need += msg.bytes
+                    self.sizes[m.name] = msg.bytes
+            except ConfigError as e:
+                raise ConfigError(f"{self.cfg.path}: [[model]] {m.name!r}: {e.what}", e.fix) from None
         total = memory.device_total(self.cfg.daemon.device, self.gpu)
         budget = configs.parse_bytes(self.cfg.daemon.memory_budget, total)
         if need > budget:
-            raise FastStartError(f"GPU {self.gpu}'s models need {configs.format_bytes(need)}, more than memory_budget "
-                                 f"{self.cfg.daemon.memory_budget!r} ({configs.format_bytes(budget)}) in {self.cfg.path}",
-                                 "raise memory_budget or serve fewer or smaller models on this GPU")
+            raise ConfigError(f"GPU {self.gpu}'s models need {configs.format_bytes(need)}, more than memory_budget "
+                              f"{self.cfg.daemon.memory_budget!r} ({configs.format_bytes(budget)}) in {self.cfg.path}",
+                              "raise memory_budget or serve fewer or smaller models on this GPU")
 
     def write_state(self, state: str, **extra) -> None:
         body = {"gpu": self.gpu, "state": state, "pid": os.getpid(), "time": time.time(), **extra}

@@ -66,3 +66,9 @@ class NoRoom(FastStartError):
     def __init__(self, what: str, fix: str, short: int):
         super().__init__(what, fix)
         self.short = short
+
+
+def is_config(e: FastStartError) -> bool:
+    """Whether `e` says the configuration asks for what cannot be: a TP size the model does not
+    divide into, a quantization it cannot take, more than the budget. Restarting cannot help."""
+    return isinstance(e, (ConfigError, ShardError, QuantizationError))

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 
 from . import __version__, notify, protocol
-from .errors import FastStartError
+from .errors import ConfigError, FastStartError
 
 EXTEND_USEC = 30_000_000   # each EXTEND_TIMEOUT_USEC promises the next message within 30 s
 STALL_S = 300              # a worker with no progress for this long is declared hung
@@ -132,7 +132,7 @@ class Worker:
                         os.close(fd)
                     got = []
                 if isinstance(msg, protocol.Error):
-                    raise FillError(msg.what, msg.fix)
+                    raise (ConfigError if msg.config else FillError)(msg.what, msg.fix)
                 if wrong:
                     raise FillError(f"the fill worker {self.python} answered a {job.kind} with a {msg.kind}",
                                     "see the daemon's log; the worker is stopped")

@@ -191,6 +191,7 @@ class Error(Message):
     kind = "error"
     what: str
     fix: str = ""
+    config: bool = False        # the configuration asks for what cannot be (a restart would not help)
 
 
 class Progress(Message):                   # worker -> daemon during a fill
@@ -256,7 +257,7 @@ KINDS = {c.kind: c for c in (
     Progress, Filled, WorkerHello, CheckJob, Checked, FillJob, VerifyJob, Verified)}
 JOBS = ("check_job", "fill_job", "verify_job")
 REQUESTS = ("hello", "status", "fingerprints", "acquire", "release", "evict", "evictions", "fill", "metrics")
-_TYPES = {"int": int, "str": str, "dict": dict, "list": list, "float": (int, float)}
+_TYPES = {"int": int, "str": str, "dict": dict, "list": list, "float": (int, float), "bool": bool}
 
 
 def encode(msg: Message) -> bytes:
@@ -280,7 +281,7 @@ def decode(data: bytes, allowed: tuple[str, ...] | None = None):
         if key not in cls.TYPES:
             raise ProtocolError(f"{cls.kind!r} frame has unknown field {key!r}", f"fields are {', '.join(cls.FIELDS)}")
         want = _TYPES[cls.TYPES[key]]
-        if not isinstance(value, want) or isinstance(value, bool):
+        if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
             raise ProtocolError(f"{cls.kind!r} field {key!r} has the wrong type", f"send {cls.TYPES[key]}")
     try:
         return cls(**obj)

@@ -423,8 +423,8 @@ def test_bad_config_fails_fast_without_reading_a_checkpoint(tmp_path, small, dae
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small, tensor_parallel_size=3,
                                                                       gpus=[0, 1, 2])])
     d = daemons(cfg, wait=False)
-    assert d.proc.wait(60) == 1
-    assert "TP size 3 does not divide num_attention_heads" in d.log.read_text()
+    assert d.proc.wait(60) == 2       # every config error exits 2, found in the config or by the worker
+    assert "fs.toml: [[model]] 'small': TP size 3 does not divide num_attention_heads" in d.log.read_text()
     assert not d.listener.texts("STATUS=filling") and not d.listener.texts("READY=1")
     cfg = write_config(tmp_path / "bad.toml", tmp_path / "run", [model("small", small, quantization="nvfp4-checkpoint")])
     d = daemons(cfg, wait=False)

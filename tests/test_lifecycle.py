@@ -45,7 +45,7 @@ def test_a_second_daemon_for_the_same_gpu_fails_at_once_naming_the_first(tmp_pat
 def test_a_start_that_fails_on_the_budget_says_so_in_status(tmp_path, small, daemons):
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)], memory_budget="1MB")
     d = daemons(cfg, wait=False)
-    assert d.proc.wait(60) == 1
+    assert d.proc.wait(60) == 2       # a config error: the unit's RestartPreventExitStatus=2 ends it failed
     log = d.log.read_text()
     assert re.search(r"models need \d+\.\d\d MiB, more than memory_budget '1MB' \(976\.56 KiB\)", log), log
     assert "Traceback" not in log
