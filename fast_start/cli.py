@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 import os
 import sys
 import threading
@@ -26,7 +25,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__, files, protocol, watch
+from . import __version__, files, journal, protocol, watch
 from . import config as configs
 from .config import ConfigError
 from .errors import CheckpointError, FastStartError, NoDaemon, Refused
@@ -63,7 +62,7 @@ def error(what: str, fix: str, code: int, as_json: bool) -> typer.Exit:
     if as_json:
         print(json.dumps({"error": what, "fix": fix, "exit_code": code}))
     else:
-        print(f"error: {what}" + (f" (fix: {fix})" if fix else ""), file=sys.stderr)   # one line, never wrapped
+        print(journal.error_line(f"error: {what}" + (f" (fix: {fix})" if fix else "")), file=sys.stderr)   # one line
     return typer.Exit(code)
 
 
@@ -139,7 +138,7 @@ def emit(data, as_json: bool, human) -> None:
 def daemon_cmd(gpu: int = typer.Option(..., "--gpu", help="the GPU this daemon serves"), config: Path = CONFIG):
     """Run GPU N's daemon in the foreground (what fast-start@N.service runs)."""
     from . import daemon
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    journal.setup(gpu)
     raise typer.Exit(daemon.run(str(config), gpu))
 
 

@@ -46,6 +46,7 @@ from .leases import Limits
 from .errors import ConfigError, FastStartError, NoRoom
 from .fill import FillError, Workers, worker_env
 from .fingerprint import FROM_FILES, fingerprint, requested
+from .journal import fields
 from .keeper import Keeper
 from .manifest import Manifest
 from .serve import Policy, Server
@@ -225,7 +226,8 @@ class Daemon:
                 entry.names = fdstore.store(m.name, manifest, fds, entry.filled_at, identity)
                 self.cache.add(entry)
                 log.info("cached %s rank %d: %s in %.1f s", m.name, manifest.fingerprint.rank,
-                         configs.format_bytes(entry.nbytes), msg.seconds)
+                         configs.format_bytes(entry.nbytes), msg.seconds,
+                         extra=fields(m.name, manifest.fingerprint.digest()))
                 if self.watch.writes(m.name) != writes:     # the files' identity may not show it
                     self.keeper.stale(m.name, "a checkpoint file was written during the fill")
                 self.cache.metrics.inc("fast_start_fills_total", model=m.name)
@@ -319,7 +321,7 @@ class Daemon:
         return None
 
     def drop(self, st: fdstore.Stored, why: str, reason: str) -> None:
-        log.warning("dropping the stored arena of %s: %s", st.model, why)
+        log.warning("dropping the stored arena of %s: %s", st.model, why, extra=fields(st.model))
         for fd in st.fds:
             os.close(fd)
         fdstore.remove(st.names)

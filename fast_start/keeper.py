@@ -19,6 +19,7 @@ from typing import Protocol
 
 from . import config as configs
 from . import notify, watch
+from .journal import fields
 from .cache import Cache
 from .errors import FastStartError, NoRoom
 from .fill import Workers
@@ -115,7 +116,7 @@ class Keeper:
         """`name`'s checkpoint changed under its cache: stop serving it, then refill it."""
         if not self.d.cache.evict(name, "checkpoint changed", pending="stale"):
             return
-        log.warning("%s: the checkpoint changed since the fill (%s); no longer served", name, why)
+        log.warning("%s: the checkpoint changed since the fill (%s); no longer served", name, why, extra=fields(name))
         if self.d.cfg.daemon.refill_on_change:
             self.put("fill", name)
         else:
@@ -166,7 +167,7 @@ class Keeper:
                 return
             except FastStartError as e:
                 self.short.discard(name)
-                log.error("refilling %s failed: %s", name, e)
+                log.error("refilling %s failed: %s", name, e, extra=fields(name))
                 self.d.cache.set_pending(name, "failed", str(e))
                 return
         if name in self.short:
@@ -180,7 +181,7 @@ class Keeper:
         serving), looked at again every ROOM_S and at each reload; logged once."""
         if name not in self.short:
             self.short.add(name)
-            log.warning("%s waits for room: %s (fix: %s)", name, e.what, e.fix)
+            log.warning("%s waits for room: %s (fix: %s)", name, e.what, e.fix, extra=fields(name))
         self.d.cache.set_pending(name, "no_room", e.what)
         self.retry[name] = time.monotonic() + ROOM_S
 

@@ -7,10 +7,12 @@ then a purge that leaves nothing of the package behind. Needs root, systemd-nspa
 Debian build tools (`make system-deps` installs them)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,6 +126,16 @@ def test_install_start_serve_upgrade_and_purge(box, debs):
     assert "--all" in words
     assert "ExecStart=/usr/bin/fast-start daemon" in c.run("systemctl", "cat", "fast-start@0").stdout
 
+    # Started with the shipped conffile, whose model folder is not there: a config error, so the
+    # unit ends failed at once (no restart loop), the reason in the journal at priority err.
+    t0 = time.monotonic()
+    assert c.run("systemctl", "start", "fast-start@0", check=False, timeout=120).returncode != 0
+    assert time.monotonic() - t0 < 10
+    assert [c.show("fast-start@0", k) for k in ("ActiveState", "NRestarts")] == ["failed", "0"]
+    errors = c.run("journalctl", "-p", "err", "-u", "fast-start@0", "-o", "cat", "--no-pager").stdout
+    assert "'/models/Qwen3-8B' is not a folder holding *.safetensors files" in errors, errors[-2000:]
+    c.run("systemctl", "reset-failed", "fast-start@0")
+
     # Configured by the operator (the conffile replaced), started, READY, serving.
     c.run("cp", "/srv/conf/normal.toml", "/etc/fast-start/fast-start.toml")
     c.run("systemctl", "enable", "fast-start@0")
@@ -132,6 +144,13 @@ def test_install_start_serve_upgrade_and_purge(box, debs):
     assert c.run("fast-start", "status", "--gpu", "0").returncode == 0
     got = engine(c)
     assert got["source"] == "cache" and got["sums"] == c.want
+    # Through journald's native protocol (python3-systemd): every record names its GPU, a model's
+    # its model and fingerprint, for filters and alerts.
+    lines = c.run("journalctl", "-u", "fast-start@0", "FAST_START_MODEL=llama", "-o", "json", "--no-pager").stdout
+    cached = [e for e in map(json.loads, lines.splitlines()) if e["MESSAGE"].startswith("cached llama rank 0")]
+    assert cached and cached[-1]["FAST_START_GPU"] == "0" and cached[-1]["PRIORITY"] == "6"
+    digest = json.loads(c.run("fast-start", "fingerprints", "--gpu", "0", "--json").stdout)
+    assert cached[-1]["FAST_START_FINGERPRINT"] in json.dumps(digest)
 
     # Upgrade: the package restarts the instance on the new code, which takes its cache back from
     # the fd store (at 1 KB/s a fill would not end within the test's time); the operator's

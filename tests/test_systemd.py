@@ -322,13 +322,22 @@ def test_systemctl_reload_adds_and_removes_models_without_a_restart(box):
     assert box.show("fast-start@0", "MainPID") == pid
 
 
-def test_config_error_fails_start_quickly_with_the_error_in_the_journal(box):
-    box.config.write_text(config_text(extra="colour = 3"))
+@pytest.mark.parametrize("extra,reason", [("colour = 3", "[daemon] has unknown key 'colour'"),
+                                          ('memory_budget = "1MB"', "more than memory_budget '1MB'")],
+                         ids=["unknown key", "budget"])
+def test_a_config_error_ends_the_unit_failed_with_the_reason_at_priority_err(box, extra, reason):
+    """Found as the config loads or by the worker reading the model: either way exit status 2,
+    which the unit's RestartPreventExitStatus= keeps from restarting (no loop), and the reason in
+    the journal at priority err."""
+    box.config.write_text(config_text(extra=extra))
     try:
         t0 = time.monotonic()
         p = box.run("systemctl", "start", "fast-start@1", check=False, timeout=120)
         assert p.returncode != 0 and time.monotonic() - t0 < 30
-        assert "[daemon] has unknown key 'colour'" in journal(box, "fast-start@1")
+        state = {k: box.show("fast-start@1", k) for k in ("ActiveState", "SubState", "NRestarts", "ExecMainStatus")}
+        assert state == {"ActiveState": "failed", "SubState": "failed", "NRestarts": "0", "ExecMainStatus": "2"}
+        errors = box.run("journalctl", "-p", "err", "-u", "fast-start@1", "--no-pager", "-o", "cat").stdout
+        assert reason in errors, errors[-2000:]
     finally:
         box.config.write_text(config_text())
         box.run("systemctl", "reset-failed", "fast-start@1", check=False)
