@@ -73,6 +73,7 @@ class Cache:
         self.keep_free = 0                              # bytes fills leave free for engines (`[daemon] keep_free`)
         self.notes: dict[str, str] = {}                 # model -> the last copy refused for want of room
         self.on_evict, self.on_stale, self.on_fill = on_evict, on_stale, on_fill
+        self.on_change: Callable[[], None] = lambda: None     # what is cached or pending changed (STATUS=)
         self.entries: dict[str, Entry] = {}
         self.leases = Leases(limits, on_process)        # under `lock`
         self.configured: tuple[str, ...] = ()          # models this GPU should hold
@@ -92,6 +93,7 @@ class Cache:
             self.notes.pop(entry.model.name, None)
         if old is not None:
             self._retire(old)
+        self.on_change()
 
     def configure(self, models: tuple[str, ...], on_release: str, keep_free: int) -> None:
         """The models this GPU should hold (pending states of others are dropped), what a released
@@ -100,10 +102,12 @@ class Cache:
             self.configured, self.on_release, self.keep_free = models, on_release, keep_free
             for name in [n for n in self.pending if n not in models]:
                 del self.pending[name]
+        self.on_change()
 
     def set_pending(self, model: str, state: str, detail: str = "") -> None:
         with self.lock:
             self.pending[model] = {"name": model, "state": state, "detail": detail, "since": time.time()}
+        self.on_change()
 
     # -- requests ------------------------------------------------------------------------------
     def handle(self, msg, peer: Peer):
@@ -304,6 +308,7 @@ class Cache:
                                       "since": time.time()}
         for name in names:
             self.on_fill(name)
+        self.on_change()
         return protocol.Report({"filling": names, "cached": [n for n in self.configured if n not in names]})
 
     def evict(self, name: str, reason: str, pending: str = "evicted") -> bool:
@@ -320,6 +325,7 @@ class Cache:
         log.info("evicted %s (%s; %.2f GiB, %d lease(s) held then)", name, reason, entry.nbytes / 2**30, leases)
         self.metrics.inc("fast_start_evictions_total", model=name, reason=reason)
         self._retire(entry)
+        self.on_change()
         return True
 
     def record(self, model: str, reason: str, nbytes: int = 0) -> None:

@@ -451,10 +451,9 @@ class Daemon:
                 self.write_state("failed", error=str(e) if isinstance(e, FastStartError)
                                  else f"{type(e).__name__}: {e}")
                 raise
-            total = sum(e.nbytes for e in self.cache.entries.values())
             self.write_state("ready")
-            notify.notify(f"READY=1\nSTATUS=ready: {len(self.cache.entries)} model(s), {total / 2**30:.2f} GiB "
-                          f"cached in {time.monotonic() - self.started:.1f} s")
+            notify.notify(f"READY=1\nSTATUS={self.status_line()} in {time.monotonic() - self.started:.1f} s")
+            self.cache.on_change = lambda: notify.status(self.status_line())
             log.info("ready on %s", socket_path(self.directory, self.gpu))
             self.keeper.start()
             threading.Thread(target=self.write_metrics, name="metrics", daemon=True).start()
@@ -462,6 +461,15 @@ class Daemon:
             return 0
         finally:
             self.shutdown(listener)
+
+    def status_line(self) -> str:
+        """The unit's STATUS= once ready, kept current: what is cached, and each model that is not
+        with its state ("ready: 1 model(s), 16.00 GiB cached; qwen3 stale")."""
+        with self.cache.lock:
+            total = sum(e.nbytes for e in self.cache.entries.values())
+            line = f"ready: {len(self.cache.entries)} model(s), {total / 2**30:.2f} GiB cached"
+            pending = [f"{name} {p['state']}" for name, p in self.cache.pending.items()]
+        return line + (f"; {', '.join(pending)}" if pending else "")
 
     def shutdown(self, listener: socket.socket | None) -> None:
         """Each step on its own: one that fails (a manager gone, a file removed) skips none of the rest."""

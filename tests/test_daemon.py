@@ -260,6 +260,10 @@ def test_copy_mode_releases_and_drop_evicts(tmp_path, small, daemons):
     # The lease ends and the drop happens once the reply is out: on the daemon's side of it.
     wait_until(lambda: status(d)["models"] == [], 10, "the copy's model dropped")
     assert status(d)["leases"] == [] and evictions(d) == [("small", "release")]
+    # The unit's STATUS= follows: it said one model at READY, and says the drop now.
+    assert d.listener.texts("STATUS=ready: 1 model(s), 0.00 GiB cached in ")
+    wait_until(lambda: d.listener.texts("STATUS=ready: 0 model(s), 0.00 GiB cached; small evicted"), 10,
+               "STATUS= after the drop")
 
 
 HOLDER = textwrap.dedent("""
