@@ -67,6 +67,13 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+def _number(value: float) -> str:
+    """A sample's value exactly: whole numbers as integers (a byte count runs past the six digits
+    of `:g`, which would write 212875264 as 2.12875e+08), others as Python's shortest repr."""
+    v = float(value)
+    return str(int(v)) if v.is_integer() and abs(v) < 2**53 else repr(v)
+
+
 def render(samples: list[list]) -> str:
     """Samples of one or more daemons as one exposition: each family's HELP and TYPE once."""
     by_family: dict[str, list[list]] = {}
@@ -77,6 +84,6 @@ def render(samples: list[list]) -> str:
         lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
         for labels, value in sorted(by_family.get(name, []), key=lambda s: sorted(s[0].items())):
             tags = ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(labels.items()))
-            lines.append(f"{name}{{{tags}}} {float(value):g}" if tags else f"{name} {float(value):g}")
+            lines.append(f"{name}{{{tags}}} {_number(value)}" if tags else f"{name} {_number(value)}")
     return "\n".join(lines) + "\n"
 

@@ -276,6 +276,21 @@ def test_metrics_count_a_scripted_sequence_and_parse_as_prometheus_text(tmp_path
     assert values(prom.read_text()) == got
 
 
+def test_metric_values_are_written_exactly():
+    """Byte counts past six digits stay whole integers; fractions keep every digit."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fast_start.metrics import render
+    text = render([["fast_start_cached_bytes", {"gpu": "0", "model": "m"}, 212875264],
+                   ["fast_start_filled_bytes_total", {"gpu": "0", "model": "m"}, 2**40 + 1],
+                   ["fast_start_fill_seconds", {"gpu": "0", "model": "m"}, 1.2345678]])
+    assert 'fast_start_cached_bytes{gpu="0",model="m"} 212875264\n' in text
+    assert 'fast_start_filled_bytes_total{gpu="0",model="m"} 1099511627777\n' in text
+    assert 'fast_start_fill_seconds{gpu="0",model="m"} 1.2345678\n' in text
+    parsed = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert parsed["fast_start_filled_bytes_total"] == 2**40 + 1
+
+
 def test_example_config_ships_with_the_wheel_and_the_missing_config_error_names_it(tmp_path, small):
     """A pip install has no source tree: the example config comes with the package, `fast-start
     example-config` prints it, and the error for a missing config says how to make one from it."""
