@@ -45,8 +45,8 @@ _json = [False]     # the global --json, given before the command
 
 
 def _version(value: bool) -> None:
-    if value:
-        print(f"fast-start {__version__}")
+    if value:       # eager: before --json is parsed, wherever it stands
+        print(json.dumps({"version": __version__}) if "--json" in sys.argv[1:] else f"fast-start {__version__}")
         raise typer.Exit(0)
 
 

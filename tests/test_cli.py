@@ -133,6 +133,9 @@ def test_help_version_completion_and_python_dash_m():
         assert p.returncode == 0 and "Usage:" in p.stdout, argv
     p = run(exe, "--version")
     assert p.returncode == 0 and p.stdout == f"fast-start {fast_start.__version__}\n"
+    for argv in (("--json", "--version"), ("--version", "--json")):
+        p = run(exe, *argv)
+        assert p.returncode == 0 and json.loads(p.stdout) == {"version": fast_start.__version__}, argv
     p = run(exe, "--show-completion", "bash")
     assert p.returncode == 0 and "_FAST_START_COMPLETE=complete_bash" in p.stdout
     env = {**os.environ, "_FAST_START_COMPLETE": "complete_bash", "COMP_WORDS": "fast-start evict --a", "COMP_CWORD": "2"}
