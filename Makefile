@@ -47,9 +47,9 @@ check: $(VENV)/.engines
 
 # The systemd tests boot a real systemd in a container (systemd-nspawn), one test runs the
 # control plane on Debian's own python3 with its python3-typer, python3-rich and python3-systemd
-# (what the Debian package depends on), and one builds the Debian package (debhelper, dh-python, lintian) and
-# installs, upgrades and purges it in the container. As root, install what is missing; otherwise
-# those tests skip and say why.
+# (what the Debian package depends on), and one builds the Debian package (debhelper, dh-python,
+# lintian) and installs, upgrades and purges it in the container. As root, install what is
+# missing; otherwise those tests skip and say why.
 SYSTEM_DEPS := systemd-container python3-typer python3-rich python3-systemd debhelper dh-python pybuild-plugin-pyproject \
 	python3-all python3-setuptools lintian
 system-deps:
