@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from . import memory, protocol, table, trust, watch
+from . import __version__, memory, protocol, table, trust, watch
 from .config import ModelConfig
 from .fingerprint import Fingerprint
 from .history import Eviction, History
@@ -393,6 +393,8 @@ class Cache:
                        for name in self.entries]
             gauges += [self.metrics.sample("fast_start_device_memory_bytes", value, kind=kind)
                        for kind, value in self._memory(now).items() if kind != "keep_free"]
+        gauges += [self.metrics.sample("fast_start_up", 1), self.metrics.sample("fast_start_build_info", 1,
+                                                                               version=__version__)]
         return {"gpu": self.gpu, "samples": self.metrics.samples() + gauges}
 
     def eviction_list(self, peer: Peer | None = None) -> dict:

@@ -107,6 +107,7 @@ class Daemon:
         self.watch = watch.Watch()
         self.keeper = Keeper(self)
         self.epoll: select.epoll | None = None
+        self.metrics_writer: threading.Thread | None = None
         self.started = time.monotonic()
 
     @property
@@ -396,19 +397,24 @@ class Daemon:
     def write_metrics(self) -> None:
         """Write the textfile for node_exporter (`metrics_file`, "{gpu}" = this GPU) every METRICS_S
         until the daemon stops, on a thread of its own: a hung filesystem stalls this thread alone."""
-        failing = ""
+        failing = written = ""
         while True:
             path = self.cfg.daemon.metrics_file.replace("{gpu}", str(self.gpu))     # a reload may change it
+            if written and written != path:
+                _unlink(written)
+                written = ""
             if path:
                 try:
                     files.write_atomic(path, metrics.render(self.cache.metric_samples()["samples"]))
-                    failing = ""
+                    failing, written = "", path
                 except OSError as e:
                     if failing != path:         # once, not every METRICS_S
                         log.warning("cannot write the metrics file %s: %s (the unit needs a ReadWritePaths= "
                                     "drop-in for its folder)", path, e.strerror or e)
                     failing = path
             if self.stop.wait(METRICS_S):
+                if written:             # a stopped daemon exports nothing, not its last figures
+                    _unlink(written)
                 return
 
     def accept(self, listener: socket.socket) -> None:
@@ -456,7 +462,8 @@ class Daemon:
             self.cache.on_change = lambda: notify.status(self.status_line())
             log.info("ready on %s", socket_path(self.directory, self.gpu))
             self.keeper.start()
-            threading.Thread(target=self.write_metrics, name="metrics", daemon=True).start()
+            self.metrics_writer = threading.Thread(target=self.write_metrics, name="metrics", daemon=True)
+            self.metrics_writer.start()
             self.serve(listener, wake_r)
             return 0
         finally:
@@ -475,6 +482,8 @@ class Daemon:
         """Each step on its own: one that fails (a manager gone, a file removed) skips none of the rest."""
         self.stop.set()
         self.keeper.join(5)
+        if self.metrics_writer is not None:
+            self.metrics_writer.join(5)      # it removes its file
         steps = [lambda: notify.notify("STOPPING=1"),
                  lambda: socket_path(self.directory, self.gpu).unlink(missing_ok=True) if listener else None,
                  lambda: listener.close() if listener else None,
@@ -503,6 +512,15 @@ def filled_manifest(model: str, msg: protocol.Filled, fds: list[int]) -> Manifes
             raise
         raise FillError(f"the fill worker's manifest for {model} is malformed ({e})",
                         "use a fill worker of the daemon's version") from None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("cannot remove %s: %s", path, e.strerror or e)
 
 
 def _unlink_state(directory: str, gpu: int) -> None:

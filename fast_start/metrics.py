@@ -11,6 +11,8 @@ import threading
 
 # name -> (type, help, label names)
 FAMILIES = {
+    "fast_start_up": ("gauge", "1 while the daemon runs (its textfile is removed when it stops).", ("gpu",)),
+    "fast_start_build_info": ("gauge", "Always 1; the daemon's fast-start version.", ("gpu", "version")),
     "fast_start_cache_hits_total": ("counter", "Fetches served from the cache.", ("gpu", "model", "mode")),
     "fast_start_cache_misses_total": ("counter", "Fetches the cache could not serve, by reason (model: the closest one "
                                       "cached or configured, empty when there is none).", ("gpu", "model", "reason")),

@@ -249,7 +249,7 @@ def test_metrics_count_a_scripted_sequence_and_parse_as_prometheus_text(tmp_path
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run",
                        [{"name": "small", "path": str(small), "gpus": [0], "engine_version": "test"}],
                        metrics_file=str(tmp_path / "fast-start-gpu{gpu}.prom"))
-    daemons(cfg)
+    d = daemons(cfg)
     spec = fast_start.WeightSpec(str(small), engine_version="test")
     run = str(tmp_path / "run")
     for mode in ("zero_copy", "copy", "copy"):
@@ -273,10 +273,13 @@ def test_metrics_count_a_scripted_sequence_and_parse_as_prometheus_text(tmp_path
     assert ("fast_start_cached_bytes", (("model", "small"),)) not in got       # evicted: no longer held
     assert got[("fast_start_device_memory_bytes", (("kind", "held"),))] == 0
     assert got[("fast_start_device_memory_bytes", (("kind", "free"),))] is True
+    assert got[("fast_start_up", ())] == 1
+    assert got[("fast_start_build_info", (("version", fast_start.__version__),))] == 1
     assert json.loads(cli("metrics", "--config", cfg, "--json").stdout)
     prom = tmp_path / "fast-start-gpu0.prom"                  # rewritten every 15 s
     wait_until(lambda: prom.exists() and "evictions_total{" in prom.read_text(), 40)
     assert values(prom.read_text()) == got
+    assert d.stop() == 0 and not prom.exists()       # a stopped daemon exports nothing
 
 
 def test_metric_values_are_written_exactly():
