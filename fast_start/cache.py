@@ -150,9 +150,10 @@ class Cache:
         if msg.protocol and msg.protocol != protocol.VERSION:
             return _no(protocol.Error(f"protocol version {msg.protocol} is not spoken here (daemon speaks "
                                       f"{protocol.VERSION})", "use a fast-start client of the daemon's version"))
-        if msg.mode not in MODES or msg.manifest not in ("table", "json"):
-            return _no(protocol.Error(f"mode {msg.mode!r} or manifest form {msg.manifest!r} is unknown",
-                                      f"use a mode of {', '.join(MODES)} and manifest \"table\" or \"json\""))
+        if msg.mode not in MODES or msg.manifest not in ("table", "json") or msg.purpose not in ("engine", "verify"):
+            return _no(protocol.Error(f"mode {msg.mode!r}, manifest form {msg.manifest!r} or purpose {msg.purpose!r} "
+                                      "is unknown", f"use a mode of {', '.join(MODES)}, manifest \"table\" or "
+                                      "\"json\" and purpose \"engine\" or \"verify\""))
         if msg.device and msg.device != self.device:
             return _no(protocol.Miss(f"this daemon serves {self.device}, not {msg.device}", ["device"]))
         try:
@@ -181,9 +182,11 @@ class Cache:
             if isinstance(lease, protocol.Error):
                 return _no(lease)
             best.pins += 1
-        log.info("served %s to pid %d uid %d (%s, lease %d%s)", best.model.name, peer.pid, peer.uid, msg.mode,
-                 lease.id, ", ends with the reply" if msg.mode == "copy" else "")
-        self.metrics.inc("fast_start_cache_hits_total", model=best.model.name, mode=msg.mode)
+        log.info("served %s to pid %d uid %d (%s, lease %d%s%s)", best.model.name, peer.pid, peer.uid, msg.mode,
+                 lease.id, ", ends with the reply" if msg.mode == "copy" else "",
+                 ", to verify it" if msg.purpose == "verify" else "")
+        if msg.purpose == "engine":
+            self.metrics.inc("fast_start_cache_hits_total", model=best.model.name, mode=msg.mode)
         if msg.manifest == "json":
             reply = protocol.Acquired(lease.id, best.model.name, best.manifest_dict, fds=len(best.fds))
         else:

@@ -375,8 +375,8 @@ def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpe
     """
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
     from .fill import Worker, worker_env
-    reply, fds = ask(directory, gpu, protocol.Acquire(stored.to_dict(), "zero_copy", files, manifest="json"),
-                      with_fds=True)
+    reply, fds = ask(directory, gpu, protocol.Acquire(stored.to_dict(), "zero_copy", files, manifest="json",
+                                                      purpose="verify"), with_fds=True)
     if isinstance(reply, protocol.Miss):
         return [f"(cache miss: {reply.reason})"]
     python = sys.executable

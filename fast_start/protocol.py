@@ -126,6 +126,7 @@ class Acquire(Message):           # an engine's request (a partial one may be as
     device: str = ""              # where it maps: "cpu" or a GPU's UUID; "" any
     manifest: str = "table"       # "table": the binary tensor table follows Acquired; "json": the whole manifest
     partial: int = 0              # 1: a `fingerprint.requested` (the files not yet read; the engine checks the reply's)
+    purpose: str = "engine"       # "verify": `fast-start verify --deep` reads the cache; not an engine's hit
 
 
 class Release(Message):

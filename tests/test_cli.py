@@ -255,6 +255,8 @@ def test_metrics_count_a_scripted_sequence_and_parse_as_prometheus_text(tmp_path
     for mode in ("zero_copy", "copy", "copy"):
         assert fast_start.fetch(spec, mode=mode, socket_dir=run, fallback=False).source == "cache"
     assert fast_start.fetch(spec._replace(engine_version="other"), socket_dir=run).source == "disk"
+    verify = cli("verify", "--model", small, "--deep", "--config", cfg)
+    assert verify.exit_code == 0, verify.output          # reads the cache, but no engine was served
     assert cli("evict", "--gpu", 0, "--model", "small", "--config", cfg).exit_code == 0
 
     def values(text):       # free memory changes between two reads: it is only checked to be there
