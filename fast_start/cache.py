@@ -33,6 +33,10 @@ from .trust import Peer
 log = logging.getLogger("fast_start.daemon")
 
 MODES = ("zero_copy", "copy")
+# The reasons a miss and an eviction are counted by (`fast-start metrics`): each configured model's
+# counters are there from the start, at 0, so that a rate or an alert sees them before any event.
+MISS_REASONS = ("fingerprint", "files", "access", "memory", "evicted", "not_cached")
+EVICTION_REASONS = ("manual", "release", "config change", "checkpoint changed")
 
 
 @dataclass
@@ -102,6 +106,16 @@ class Cache:
             self.configured, self.on_release, self.keep_free = models, on_release, keep_free
             for name in [n for n in self.pending if n not in models]:
                 del self.pending[name]
+        self.metrics.zero("fast_start_refused_peers_total")
+        for name in models:
+            for family in ("fast_start_fills_total", "fast_start_filled_bytes_total", "fast_start_readoptions_total"):
+                self.metrics.zero(family, model=name)
+            for mode in MODES:
+                self.metrics.zero("fast_start_cache_hits_total", model=name, mode=mode)
+            for reason in MISS_REASONS:
+                self.metrics.zero("fast_start_cache_misses_total", model=name, reason=reason)
+            for reason in EVICTION_REASONS:
+                self.metrics.zero("fast_start_evictions_total", model=name, reason=reason)
         self.on_change()
 
     def set_pending(self, model: str, state: str, detail: str = "") -> None:

@@ -50,6 +50,12 @@ class Metrics:
         with self.lock:
             self.values[key] = self.values.get(key, 0) + value
 
+    def zero(self, name: str, **labels) -> None:
+        """A counter at 0 unless it has counted already."""
+        key = self._key(name, labels)
+        with self.lock:
+            self.values.setdefault(key, 0)
+
     def set(self, name: str, value: float, **labels) -> None:
         key = self._key(name, labels)
         with self.lock:

@@ -276,11 +276,14 @@ def test_metrics_count_a_scripted_sequence_and_parse_as_prometheus_text(tmp_path
     assert got[("fast_start_device_memory_bytes", (("kind", "held"),))] == 0
     assert got[("fast_start_device_memory_bytes", (("kind", "free"),))] is True
     assert got[("fast_start_up", ())] == 1
+    # Counters no event touched are there, at 0.
+    assert got[("fast_start_cache_misses_total", (("model", "small"), ("reason", "access")))] == 0
+    assert got[("fast_start_evictions_total", (("model", "small"), ("reason", "checkpoint changed")))] == 0
+    assert got[("fast_start_refused_peers_total", ())] == 0
     assert got[("fast_start_build_info", (("version", fast_start.__version__),))] == 1
     assert json.loads(cli("metrics", "--config", cfg, "--json").stdout)
     prom = tmp_path / "fast-start-gpu0.prom"                  # rewritten every 15 s
-    wait_until(lambda: prom.exists() and "evictions_total{" in prom.read_text(), 40)
-    assert values(prom.read_text()) == got
+    wait_until(lambda: prom.exists() and values(prom.read_text()) == got, 40, "the textfile counting the same")
     assert d.stop() == 0 and not prom.exists()       # a stopped daemon exports nothing
 
 
