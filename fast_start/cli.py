@@ -409,14 +409,25 @@ VLLM_UTILIZATION = 0.9      # vLLM's default gpu_memory_utilization
 
 @app.command("check-config")
 @fails
-def check_config(config: Path = CONFIG, as_json: bool = JSON):
+def check_config(config: Path = CONFIG, as_json: bool = JSON,
+                 reload: bool = typer.Option(False, "--reload", help="the file alone, as a reload reads it "
+                                             "(the unit's ExecReload= runs this before it signals the daemon)")):
     """Check a config as `nginx -t` does: the file, each model's folder, the memory each GPU's
     models need against its budget, and each worker interpreter. Exit 0 when all pass, 2 if not."""
     import subprocess
     from .memory import device_total, fill_need, gib, keep_free
     from .headers import rank_bytes
-    cfg = configs.load(config)
+
+    def human(rows):
+        table = Table("check", "", "detail")
+        for r in rows:
+            table.add_row(r["check"], "warn" if r.get("warn") else "ok" if r["ok"] else "FAIL", r["detail"])
+        out.print(table)
+    cfg = configs.load(config, check_paths=not reload)
     checks = [{"check": "config", "ok": True, "detail": f"{config}: {len(cfg.models)} model(s)"}]
+    if reload:
+        emit(checks, as_json, human)
+        return
     need: dict[int, int] = {}
     largest: dict[int, int] = {}
     for m in cfg.models:
@@ -467,12 +478,6 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON):
             checks.append({"check": f"worker {python}", "ok": not done.returncode, "detail": detail})
         except (OSError, subprocess.TimeoutExpired) as e:
             checks.append({"check": f"worker {python}", "ok": False, "detail": str(e)})
-
-    def human(rows):
-        table = Table("check", "", "detail")
-        for r in rows:
-            table.add_row(r["check"], "warn" if r.get("warn") else "ok" if r["ok"] else "FAIL", r["detail"])
-        out.print(table)
     emit(checks, as_json, human)
     if not all(c["ok"] for c in checks):
         raise typer.Exit(2)

@@ -322,6 +322,22 @@ def test_systemctl_reload_adds_and_removes_models_without_a_restart(box):
     assert box.show("fast-start@0", "MainPID") == pid
 
 
+def test_a_reload_with_a_rejected_config_fails_and_the_running_one_keeps_serving(box):
+    ready(box)
+    pid = box.show("fast-start@0", "MainPID")
+    try:
+        box.config.write_text(config_text(extra="colour = 3"))
+        p = box.run("systemctl", "reload", "fast-start@0", check=False, timeout=120)
+        assert p.returncode != 0
+        assert box.show("fast-start@0", "ActiveState") == "active" and box.show("fast-start@0", "MainPID") == pid
+        errors = box.run("journalctl", "-p", "err", "-u", "fast-start@0", "--no-pager", "-o", "cat").stdout
+        assert "[daemon] has unknown key 'colour'" in errors, errors[-2000:]
+        assert engine(box)["source"] == "cache"
+    finally:
+        box.config.write_text(config_text())
+    assert box.run("systemctl", "reload", "fast-start@0", check=False).returncode == 0
+
+
 @pytest.mark.parametrize("extra,reason", [("colour = 3", "[daemon] has unknown key 'colour'"),
                                           ('memory_budget = "1MB"', "more than memory_budget '1MB'")],
                          ids=["unknown key", "budget"])
