@@ -86,13 +86,22 @@ def fails(command):
 
 def socket_dir(config: Path) -> str:
     """The config's socket_dir when --config is given, else $FAST_START_SOCKET_DIR, else that of
-    /etc/fast-start/fast-start.toml, else /run/fast-start."""
+    /etc/fast-start/fast-start.toml, else /run/fast-start. A config being edited may not load: the
+    daemons still answer, so its `socket_dir` is taken as written (else /run/fast-start), with a
+    warning."""
     if config == configs.DEFAULT_PATH:
         if os.environ.get("FAST_START_SOCKET_DIR"):
             return os.environ["FAST_START_SOCKET_DIR"]
         if not config.exists():
             return DEFAULT_SOCKET_DIR
-    return configs.load(config, check_paths=False).daemon.socket_dir
+    try:
+        return configs.load(config, check_paths=False).daemon.socket_dir
+    except ConfigError as e:
+        if not config.is_file():
+            raise
+        directory = configs.written_socket_dir(config) or DEFAULT_SOCKET_DIR
+        print(f"warning: {e.what}; asking the daemons in {directory}", file=sys.stderr)
+        return directory
 
 
 def gpus(directory: str, gpu: int | None) -> list[int]:

@@ -110,6 +110,16 @@ class Config:
         return model.python or self.daemon.worker_python or sys.executable
 
 
+def written_socket_dir(path: Path) -> str | None:
+    """`[daemon] socket_dir` as written in a config that does not load (another key is wrong), or
+    None where the file is no TOML or has no such string."""
+    try:
+        value = tomllib.loads(path.read_text()).get("daemon", {}).get("socket_dir")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
 def load(path: str | Path = DEFAULT_PATH, check_paths: bool = True) -> Config:
     """Read and validate the config. `check_paths=False` skips the model folders: commands that
     only need the socket directory keep working while a model's storage is away (NFS down)."""

@@ -123,6 +123,21 @@ def test_fingerprint_validates_its_options_as_the_config_does(small):
     assert cli("fingerprint", "--model", small, "--tp", 2, "--rank", 1).exit_code == 0
 
 
+def test_a_config_being_edited_still_reaches_the_daemons_with_a_warning(tmp_path, small, daemons):
+    """A half-edited config does not load, but the daemons it started answer: status, evictions
+    and fingerprints find them by the socket_dir written there."""
+    cfg, d = setup(tmp_path, small, daemons)
+    cfg.write_text(cfg.read_text().replace("[daemon]", "[daemon]\ncolour = 3", 1))
+    for command in ("status", "evictions", "fingerprints"):
+        r = cli(command, "--config", cfg, "--json")
+        assert r.exit_code == 0, (command, r.output)
+        assert r.stderr.startswith("warning: ") and "unknown key 'colour'" in r.stderr
+    assert json.loads(cli("status", "--config", cfg, "--json").stdout)[0]["state"] == "ready"
+    cfg.write_text("not toml [")
+    r = cli("status", "--config", cfg)
+    assert r.exit_code == 3 and str(tmp_path / "run") not in r.stderr     # /run/fast-start: no daemon there
+
+
 def test_help_version_completion_and_python_dash_m():
     exe = Path(sys.executable).parent / "fast-start"
 
