@@ -201,10 +201,12 @@ def _fill(spec: WeightSpec, want, config, device: str, progress, chunk: int) -> 
             kernels = vllm_state.kernel_environment(target)
             with set_default_torch_dtype(model_config.dtype), vllm_preprocessed.deferred(model, target) as later:
                 loader_utils.process_weights_after_loading(model, model_config, target)
-                plain: dict[int, torch.Tensor] = {}      # one per object: tied names stay one
-                named = [(n, plain.setdefault(id(t), t.detach())) for n, t in [*_params(model), *model.named_buffers()]]
-                removed = tuple(sorted(built - {n for n, _ in model.named_parameters()}))
-                buffers = tuple(n for n, _ in model.named_buffers())
+                with vllm_preprocessed.kept(model):
+                    plain: dict[int, torch.Tensor] = {}      # one per object: tied names stay one
+                    named = [(n, plain.setdefault(id(t), t.detach()))
+                             for n, t in [*_params(model), *model.named_buffers()]]
+                    removed = tuple(sorted(built - {n for n, _ in model.named_parameters()}))
+                    buffers = tuple(n for n, _ in model.named_buffers())
             later()      # as the engine will, over the tensors cached as they were
             record = FillRecord(ENGINE.name, stage, plan, attention, buffers, removed, vllm_state.signature(model),
                                 kernels, _meta_build(config, {n for n, _ in named} | set(removed), attrs))

@@ -14,7 +14,8 @@ For such a layer fast-start finishes it itself:
   wrong engine).
 
 `OUTER` names the quant methods and schemes whose own processing, around their kernel's, only
-replaces parameters (read in vLLM 0.26 and 0.32); `KERNELS` says how each known kernel finishes.
+replaces parameters (read in vLLM 0.26 and 0.32); `KERNELS` says how each known kernel finishes,
+`MOE` how an MoE method on its backend does (its kernel is made in processing).
 A kernel fast-start does not know may define `fast_start_finish(layer)` itself. On vLLM before
 0.30 every quantized layer is finished here, and `AS_IS` names the methods whose processing
 transforms nothing there (unquantized layers on CUDA); KV-cache methods get their host-side
@@ -52,6 +53,56 @@ KERNELS: dict[str, Callable] = {
     "MarlinNvFp4LinearKernel": _marlin_linear,
     "EmulationNvFp4LinearKernel": _own_processing,
 }
+
+
+def _nvfp4_moe_marlin(method, layer: torch.nn.Module) -> None:
+    """compressed-tensors' NVFP4 MoE on Marlin: processing leaves the repacked weights and block
+    scales as parameters and the global scales as tensors `KEPT` (both cached), then builds the
+    modular kernel over them. Made here per engine: that kernel and its quant config (they hold
+    the layer's tensors), and Marlin's workspace; Marlin takes no input scale."""
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import make_nvfp4_moe_kernel
+    from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_make_workspace_new
+    for key in KEPT[type(method).__name__]:         # installed as buffers: attributes again, as vLLM left them
+        if key in layer._buffers:
+            vars(layer)[key] = layer._buffers.pop(key)
+    layer.workspace = marlin_make_workspace_new(layer.w13_weight.device, 4)
+    layer.w13_input_scale = layer.w2_input_scale = None
+    method.moe_quant_config = method.get_fused_moe_quant_config(layer)
+    extra = {"layer": layer} if "layer" in inspect.signature(make_nvfp4_moe_kernel).parameters else {}
+    method.moe_kernel = make_nvfp4_moe_kernel(
+        moe_quant_config=method.moe_quant_config, moe_config=method.moe, experts_cls=method.experts_cls,
+        backend=method.nvfp4_backend, routing_tables=layer._expert_routing_tables(), **extra)
+    method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+
+# MoE methods have no kernel object of their own: (method, backend) -> its finisher.
+MOE: dict[tuple[str, str], Callable] = {("CompressedTensorsW4A4Nvfp4MoEMethod", "MARLIN"): _nvfp4_moe_marlin}
+# Tensors a method's processing leaves as plain attributes (vLLM 0.26) that its finisher reads:
+# the fill caches them as buffers (`kept`); the finisher makes them attributes again.
+KEPT = {"CompressedTensorsW4A4Nvfp4MoEMethod": ("w13_weight_scale_2", "w2_weight_scale_2")}
+
+
+@contextlib.contextmanager
+def kept(model: torch.nn.Module):
+    """Around the fill's taking of a processed model's tensors: the `KEPT` tensor attributes are
+    non-persistent buffers meanwhile, so that they are cached (and installed) with the buffers."""
+    moved = []
+    for module in model.modules():
+        for key in KEPT.get(type(getattr(module, "quant_method", None)).__name__, ()):
+            value = vars(module).get(key)
+            if isinstance(value, torch.Tensor):
+                del vars(module)[key]
+                module.register_buffer(key, value, persistent=False)
+                moved.append((module, key))
+    try:
+        yield
+    finally:
+        for module, key in moved:
+            vars(module)[key] = module._buffers.pop(key)
+
+
 AS_IS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")     # on CUDA; KV-cache methods anywhere
 
 
@@ -127,6 +178,9 @@ def finisher(module: torch.nn.Module, hook: bool) -> tuple[Callable[[torch.nn.Mo
         return None, "vllm"
     if not hook and names & set(AS_IS) and _device_type(module) == "cuda":
         return method.process_weights_after_loading, "as is"
+    moe = MOE.get((type(method).__name__, getattr(getattr(method, "nvfp4_backend", None), "name", "")))
+    if moe is not None:
+        return functools.partial(moe, method), "kernel"
     outer = [o for o in (method, getattr(module, "scheme", None)) if o is not None]
     kernel = getattr(outer[-1], "kernel", None)
     if kernel is None or any(type(o).__name__ not in OUTER for o in outer):
