@@ -84,11 +84,13 @@ def install_processed(model: torch.nn.Module, weights: Weights, record: FillReco
     Parameters over the cached tensors (keeping the attributes vLLM set on the constructed ones,
     tied names one object), those processing dropped are dropped, buffers are copied."""
     buffers, removed = set(record.buffers), set(record.removed)
-    cached = [*weights.tensors, *weights.aliases]
     own = dict(model.named_parameters(remove_duplicate=False))
     missing = [n for n in own if n not in weights.tensors and n not in weights.aliases and n not in removed]
     modules = dict(model.named_modules())
-    unplaced = [n for n in cached if n.rpartition(".")[0] not in modules]
+    unplaced = [n for n in weights.tensors if n.rpartition(".")[0] not in modules]
+    # Another name of a cached tensor, under a module processing attaches (vLLM 0.26's MoE runner
+    # holds the router as `experts.gate`): the finisher attaches it again, over the installed one.
+    cached = [*weights.tensors, *(n for n in weights.aliases if n.rpartition(".")[0] in modules)]
     if missing or unplaced:
         raise fit_error(missing, unplaced, [], "fill with the engine's vLLM, model, TP/PP size and dtype")
     made: dict[int, torch.nn.Parameter] = {}
