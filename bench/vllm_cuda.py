@@ -56,6 +56,11 @@ DEFAULT_RUNS = int(os.environ.get("FAST_START_BENCH_DEFAULT_RUNS", str(RUNS)))
 # FAST_START_BENCH_MODES=zero_copy: only these cached modes (an engine takes 20-35 s on the H200:
 # ten of one mode fit in a run where ten of both do not).
 CACHED_MODES = os.environ.get("FAST_START_BENCH_MODES", "zero_copy,copy").split(",")
+# FAST_START_BENCH_UNDEFINED=1: uninitialized memory filled in every process (bench/undefined/).
+if os.environ.get("FAST_START_BENCH_UNDEFINED") == "1":
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).parent / "undefined"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 if not set(CACHED_MODES) <= {"zero_copy", "copy"}:
     raise SystemExit(f"FAST_START_BENCH_MODES={','.join(CACHED_MODES)}: use zero_copy, copy or both, comma-separated")
 
@@ -89,8 +94,16 @@ def compared(r: dict, e: dict) -> dict:
     """Engine result `e` with its tokens and digest compared with the default loader's first run."""
     e.update(same_tokens=e.get("tokens") == r["default"].get("tokens"),
              first_difference=first_difference(r["default"], e),
-             same_digest=e.get("digest") == r["default"].get("digest"))
+             same_digest=e.get("digest") == r["default"].get("digest"),
+             differing=differing(r["default"].get("tensors", {}), e.get("tensors", {})))
     return e
+
+
+def differing(a: dict, b: dict) -> list[str]:
+    """The first tensors (by name) whose dtype, shape or checksum differ between two engines, or
+    that one of them lacks, each with both sides."""
+    return [f"{n}: {a.get(n, 'absent')} | {b.get(n, 'absent')}"
+            for n in sorted(a.keys() | b.keys()) if a.get(n) != b.get(n)][:20]
 
 
 def first_difference(a: dict, b: dict) -> dict | None:
@@ -181,7 +194,7 @@ def main() -> None:
             big = shape.nbytes() > 2**30
             synth.write_checkpoint(paths[name], shape, seed=7, files=4 if big else 1, reuse=big, **quantized)
     summary = {"vllm": vllm.__version__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
-               "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}
+               "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "FAST_START_BENCH_"))}}
     warm = WORK / "warmup"
     if not (warm / "config.json").exists():
         synth.write_checkpoint(warm, DENSE, seed=7)

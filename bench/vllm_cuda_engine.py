@@ -56,12 +56,14 @@ def report(model: torch.nn.Module) -> dict:
     inside = [n for n, p in model.named_parameters()
               if p.numel() and any(lo <= p.data_ptr() < hi for lo, hi in segments)]
     from fast_start.arena import checksum     # on the GPU: a 16 GB model's bytes need not cross to the host
+    tensors = {n: f"{t.dtype} {tuple(t.shape)} {checksum(t)}"
+               for n, t in sorted([*model.named_parameters(), *model.named_buffers()])}
     h = hashlib.sha256()
-    for n, t in sorted([*model.named_parameters(), *model.named_buffers()]):
-        h.update(f"{n}\0{t.dtype}\0{tuple(t.shape)}\0{checksum(t)}".encode())
+    for n, t in tensors.items():
+        h.update(f"{n}\0{t}\0".encode())
     # Which of vLLM's attention backends the engine imported: vLLM's own choice imports every candidate.
     backends = sorted(m for m in sys.modules if m.startswith("vllm.v1.attention.backends."))
-    return {"digest": h.hexdigest()[:24], "inside_allocator": inside[:20], "inside_count": len(inside),
+    return {"digest": h.hexdigest()[:24], "tensors": tensors, "inside_allocator": inside[:20], "inside_count": len(inside),
             "attention_modules": backends,
             "params": sum(1 for _ in model.parameters()), "source": getattr(model, "fast_start_source", None),
             "processing_s": round(sum(PROCESSING), 4) if PROCESSING else None}
