@@ -20,7 +20,8 @@ from fast_start import fp8, quant
 from fast_start.headers import INDEX, ModelDims, required_tensors
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
+               "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
+               "GptOssForCausalLM": "gpt_oss"}
 FP8_SCHEMES = {"tensor": (fp8.to_fp8, "_scale"), "channel": (fp8.to_fp8_channel, "_scale"),
                "block": (fp8.to_fp8_block, "_scale_inv")}
 # NVFP4 checkpoints as their producers write them: compressed-tensors weight-only ("ct-w4a16") or
@@ -118,9 +119,12 @@ def write_checkpoint(folder: str | Path, shape: Shape = Shape(), *, files: int =
 
     `reuse` draws one random tensor per distinct shape and repeats it in every layer: much faster
     for benchmark-sized models, whose speed does not depend on the values.
+    A gpt-oss shape is written as gpt-oss ships, its experts in MXFP4 (`write_gpt_oss`).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if shape.architecture == "GptOssForCausalLM":
+        return write_gpt_oss(folder, shape, seed=seed)
     names = required_tensors(shape.dims())
     gen = torch.Generator().manual_seed(seed)
     per_file = -(-len(names) // files)
@@ -203,6 +207,53 @@ def fp4_config(fmt: str, ignored: list[str]) -> dict:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": tensor_group,
                                           "input_activations": activations, "output_activations": None}},
             "ignore": ["lm_head", *ignored], "quantization_status": "compressed", "kv_cache_scheme": None}
+
+
+def write_gpt_oss(folder: Path, shape: Shape, *, seed: int = 0) -> Path:
+    """A gpt-oss checkpoint with the tensor names and config.json OpenAI ships: attention (with
+    biases and a sink per head), router, embeddings and norms in bf16; each layer's experts in
+    MXFP4 (`*_blocks`: E2M1 codes two per byte, a group of 32 in 16 bytes; `*_scales`: a
+    power-of-two scale per group as its e8m0 exponent byte; `*_bias`). `intermediate_size` is
+    each expert's; random codes are random FP4 weights."""
+    gen = torch.Generator().manual_seed(seed)
+    h, e, ffn = shape.hidden_size, shape.num_experts, shape.intermediate_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+
+    def normal(*size: int, std: float = 0.05) -> torch.Tensor:
+        return (std * torch.randn(size, generator=gen)).to(torch.bfloat16)
+
+    def mxfp4(rows: int, cols: int) -> dict[str, torch.Tensor]:
+        return {"blocks": torch.randint(0, 256, (e, rows, cols // 32, 16), generator=gen, dtype=torch.uint8),
+                "scales": torch.randint(118, 123, (e, rows, cols // 32), generator=gen, dtype=torch.uint8),
+                "bias": normal(e, rows)}
+
+    tensors = {"model.embed_tokens.weight": normal(shape.vocab_size, h), "lm_head.weight": normal(shape.vocab_size, h),
+               "model.norm.weight": 1 + normal(h, std=0.1)}
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        tensors |= {p + "input_layernorm.weight": 1 + normal(h, std=0.1),
+                    p + "post_attention_layernorm.weight": 1 + normal(h, std=0.1), p + "self_attn.sinks": normal(
+                        shape.num_heads, std=1.0), p + "mlp.router.weight": normal(e, h), p + "mlp.router.bias": normal(e)}
+        for proj, (rows, cols) in {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q)}.items():
+            tensors |= {f"{p}self_attn.{proj}_proj.weight": normal(rows, cols), f"{p}self_attn.{proj}_proj.bias": normal(rows)}
+        for proj, (rows, cols) in {"gate_up_proj": (2 * ffn, h), "down_proj": (h, ffn)}.items():
+            tensors |= {f"{p}mlp.experts.{proj}_{k}": t for k, t in mxfp4(rows, cols).items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": h,
+              "intermediate_size": ffn, "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
+              "num_key_value_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "num_local_experts": e,
+              "num_experts_per_tok": 2, "experts_per_token": 2, "vocab_size": shape.vocab_size, "sliding_window": 128,
+              "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape.num_layers)],
+              "rope_theta": 150000.0, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                       "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                                                       "truncate": False},
+              "max_position_embeddings": 131072, "initial_context_length": 4096, "rms_norm_eps": 1e-5,
+              "attention_bias": True, "attention_dropout": 0.0, "swiglu_limit": 7.0, "hidden_act": "silu",
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+              "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+                  "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
 
 
 def cached(root: str | Path, shape: Shape, name: str | None = None, **kw) -> Path:

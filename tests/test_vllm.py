@@ -997,3 +997,57 @@ def test_a_kernel_library_the_fill_had_and_the_engine_lacks_is_a_miss_naming_it(
     got, log = run_engine(tmp_path / "fs.log", path, 1, "fast_start", {"socket_dir": str(run)}, env=PLUGINS)
     assert got["ranks"][0]["source"] is None and "loading with vLLM's default loader" in log
     assert "kernel libraries or GPU differ from the fill's: humming-kernels 0.1.0 -> none" in log
+# --- MXFP4: gpt-oss, its experts repacked once in the fill --------------------------------------------
+#
+# vLLM's CPU build serves gpt-oss's MXFP4 experts with its AMX kernel, whose processing repacks
+# the weights and scales (VNNI) and then builds the MoE kernel over them: the fill runs the
+# repack, each engine makes the kernel (`preprocessed.MOE`).
+
+GPT_OSS = synth.Shape(architecture="GptOssForCausalLM", hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
+                      head_dim=64, intermediate_size=256, vocab_size=1000, num_experts=4)
+needs_amx = pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
+                               reason="vLLM's CPU MXFP4 MoE kernel needs AMX, which this CPU lacks")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(work):
+    return synth.write_checkpoint(work / "gpt-oss", GPT_OSS, seed=3)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_cache(work, gpt_oss):
+    run = work / "run-gpt-oss"
+    daemon = Daemon(work, write_config(work / "gpt-oss.toml", run, [vllm_model("gpt-oss", gpt_oss, [0])])).wait_ready()
+    yield run
+    daemon.stop()
+
+
+@needs_amx
+def test_gpt_oss_mxfp4_engines_install_the_fills_repacked_experts(work, gpt_oss, gpt_oss_cache):
+    """zero_copy and copy: the tokens, every parameter and buffer after processing and every
+    tensor attribute are the default loader's. The attention sinks, a parameter the attention
+    backend holds by reference, follow the installed tensor (else the engine attends with the
+    weightless model's sinks and its tokens part from the first)."""
+    want, _ = run_engine(work / "default-gpt-oss.log", gpt_oss)
+    for mode in ("zero_copy", "copy"):
+        got, log = run_engine(work / f"fs-gpt-oss-{mode}.log", gpt_oss, 1, "fast_start",
+                              {"socket_dir": str(gpt_oss_cache), "fallback": False, "mode": mode})
+        (g,), (w,) = got["ranks"], want["ranks"]
+        assert g["source"] == "cache" and "processed) for rank" in log
+        assert got["tokens"] == want["tokens"]
+        assert g["final"] == w["final"] and g["attrs"] == w["attrs"]
+        assert any(n.endswith("experts.w13_weight") for n in g["final"])     # the repacked experts compared
+        if mode == "zero_copy":     # mapped; vLLM's CPU GEMM remakes unquantized layers' biases in the engine
+            assert [n for n in g["final_outside_arena"] if ".experts." in n] == []
+
+
+def test_gpt_oss_mxfp4_at_tp2_is_refused_naming_why_and_the_daemon_exits_2(tmp_path, gpt_oss):
+    config = write_config(tmp_path / "fs.toml", tmp_path / "run",
+                          [vllm_model("gpt-oss", gpt_oss, [0, 1], tensor_parallel_size=2)])
+    d = Daemon(tmp_path, config, 0)
+    assert d.proc.wait(120) == 2
+    d.stop()
+    log = d.log.read_text()
+    assert "'gpt_oss_mxfp4' at TP 2 is refused" in log and "serve it at TP 1" in log
+
+

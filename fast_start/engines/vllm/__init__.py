@@ -49,7 +49,7 @@ class VllmEngine:
     def identity(self, folder: Path, configured: str) -> tuple[str, str, str]:
         """Any architecture vLLM builds; vLLM's own quantization names."""
         architecture, checkpoint_config = read_identity(folder)
-        quantization = rules.resolve(configured, checkpoint_config)
+        quantization = rules.resolve(configured, checkpoint_config, architecture)
         config = quant.hash_of({"engine": self.name, "method": quantization, "checkpoint": checkpoint_config})
         return architecture, quantization, config
 

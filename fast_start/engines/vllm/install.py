@@ -94,6 +94,7 @@ def install_processed(model: torch.nn.Module, weights: Weights, record: FillReco
     if missing or unplaced:
         raise fit_error(missing, unplaced, [], "fill with the engine's vLLM, model, TP/PP size and dtype")
     made: dict[int, torch.nn.Parameter] = {}
+    replaced: dict[int, torch.nn.Parameter] = {}
     for name in cached:
         owner, _, leaf = name.rpartition(".")
         module, tensor = modules[owner], weights[name]
@@ -102,11 +103,13 @@ def install_processed(model: torch.nn.Module, weights: Weights, record: FillReco
             module._buffers[leaf] = tensor.clone()
             continue
         param = made.get(id(tensor))
+        old = own.get(name)
         if param is None:
             param = made[id(tensor)] = torch.nn.Parameter(tensor, requires_grad=False)
-            old = own.get(name)
             if old is not None:
                 param.__dict__.update({k: v for k, v in old.__dict__.items() if k not in param.__dict__})
+        if old is not None:
+            replaced[id(old)] = param
         if leaf in module._parameters:
             del module._parameters[leaf]
         elif leaf in module.__dict__:
@@ -117,6 +120,21 @@ def install_processed(model: torch.nn.Module, weights: Weights, record: FillReco
         owner, _, leaf = name.rpartition(".")
         if hasattr(modules[owner], leaf):
             delattr(modules[owner], leaf)
+    _repoint(modules.values(), replaced)
+
+
+def _repoint(modules, replaced: dict[int, torch.nn.Parameter]) -> None:
+    """Objects a layer holds (an attention layer's `impl`) keep the parameters they were built
+    with: gpt-oss's attention hands its `sinks` parameter to the backend's impl. Where install
+    replaced such a parameter (`replaced`: by the old one's id), the reference follows it; the
+    default loader, which copies into the parameter, needs no such step."""
+    for module in modules:
+        for held in list(vars(module).values()):
+            if isinstance(held, (torch.nn.Module, torch.Tensor)) or not hasattr(held, "__dict__"):
+                continue
+            for key, value in list(vars(held).items()):
+                if isinstance(value, torch.Tensor) and id(value) in replaced:
+                    setattr(held, key, replaced[id(value)])
 
 
 _ONLINE_DONE = "_already_called_process_weights_after_loading"
@@ -217,6 +235,7 @@ def install(modules: dict[str, torch.nn.Module], weights: Weights, record: FillR
         for key, param in module._parameters.items():
             if param is not None and id(param) in replaced:
                 module._parameters[key] = replaced[id(param)]
+    _repoint(modules.values(), replaced)
     for name in buffers:
         owner, _, leaf = name.rpartition(".")
         modules[owner]._buffers[leaf] = cached[name].clone()

@@ -77,8 +77,27 @@ def _nvfp4_moe_marlin(method, layer: torch.nn.Module) -> None:
     method.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
 
-# MoE methods have no kernel object of their own: (method, backend) -> its finisher.
-MOE: dict[tuple[str, str], Callable] = {("CompressedTensorsW4A4Nvfp4MoEMethod", "MARLIN"): _nvfp4_moe_marlin}
+def _mxfp4_moe(method, layer: torch.nn.Module) -> None:
+    """gpt-oss's MXFP4 MoE: processing leaves the experts' weights, scales and biases in the
+    backend's layout as parameters (cached), then builds the modular kernel over them (made here
+    per engine, with its quant config, as vLLM's processing ends)."""
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import make_mxfp4_moe_kernel
+    method.moe_quant_config = method.get_fused_moe_quant_config(layer)
+    if method.moe_quant_config is None or method.experts_cls is None:
+        return
+    extra = {"layer": layer} if "layer" in inspect.signature(make_mxfp4_moe_kernel).parameters else {}
+    method.moe_kernel = make_mxfp4_moe_kernel(
+        moe_quant_config=method.moe_quant_config, moe_config=method.moe, mxfp4_backend=method.mxfp4_backend,
+        experts_cls=method.experts_cls, routing_tables=layer._expert_routing_tables(), **extra)
+    method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+
+# MoE methods have no kernel object of their own: (method, backend) -> its finisher. Backends
+# whose processing keeps tensors outside the layer (Triton's precision configs) are not listed.
+MOE: dict[tuple[str, str], Callable] = {("CompressedTensorsW4A4Nvfp4MoEMethod", "MARLIN"): _nvfp4_moe_marlin,
+                                        ("GptOssMxfp4MoEMethod", "CPU"): _mxfp4_moe}
 # Tensors a method's processing leaves as plain attributes (vLLM 0.26) that its finisher reads:
 # the fill caches them as buffers (`kept`); the finisher makes them attributes again.
 KEPT = {"CompressedTensorsW4A4Nvfp4MoEMethod": ("w13_weight_scale_2", "w2_weight_scale_2")}
@@ -178,7 +197,8 @@ def finisher(module: torch.nn.Module, hook: bool) -> tuple[Callable[[torch.nn.Mo
         return None, "vllm"
     if not hook and names & set(AS_IS) and _device_type(module) == "cuda":
         return method.process_weights_after_loading, "as is"
-    moe = MOE.get((type(method).__name__, getattr(getattr(method, "nvfp4_backend", None), "name", "")))
+    backend = getattr(method, "nvfp4_backend", None) or getattr(method, "mxfp4_backend", None)
+    moe = MOE.get((type(method).__name__, getattr(backend, "name", "")))
     if moe is not None:
         return functools.partial(moe, method), "kernel"
     outer = [o for o in (method, getattr(module, "scheme", None)) if o is not None]

@@ -28,6 +28,7 @@ class Rule(NamedTuple):
     allowed: bool
     max_tp: int | None       # None: any TP size
     why: str
+    beyond_tp: str = "use an FP8 checkpoint, or TP 1"      # the fix at a TP size over max_tp
 
 
 # Checked when the daemon starts; a quantization not listed is refused, naming it.
@@ -44,6 +45,9 @@ RULES = {r.quantization: r for r in (
          "repack) are finished by fast-start, their per-process workspace made in each engine"),
     Rule("modelopt_fp4", True, None, "ModelOpt NVFP4 checkpoints: cached after vLLM's processing; their FP4 layers "
          "are finished by fast-start (vLLM 0.32's pass skips their kernel's processing)"),
+    Rule("gpt_oss_mxfp4", True, 1, "gpt-oss MXFP4 checkpoints: cached after vLLM's processing of the experts, "
+         "each engine making their MoE kernel itself; at TP > 1 gpt-oss's MoE block keeps the process group's "
+         "size, which a one-rank fill does not have", "serve it at TP 1, or without fast-start"),
 )}
 
 
@@ -59,15 +63,17 @@ def check(quantization: str, tensor_parallel_size: int) -> None:
                                 "serve it without fast-start")
     if rule.max_tp is not None and tensor_parallel_size > rule.max_tp:
         raise QuantizationError(f"vLLM quantization {quantization!r} at TP {tensor_parallel_size} is refused: "
-                                f"{rule.why}", "use an FP8 checkpoint, or TP 1")
+                                f"{rule.why}", rule.beyond_tp)
 
 
-def resolve(configured: str, checkpoint_quantization: dict | None) -> str:
+def resolve(configured: str, checkpoint_quantization: dict | None, architecture: str = "") -> str:
     """The quantization vLLM will report: the configured `--quantization`, else the checkpoint's."""
+    config = checkpoint_quantization or {}
+    method = configured if configured != "none" else config.get("quant_method")
+    if method == "mxfp4" and architecture == "GptOssForCausalLM":
+        return "gpt_oss_mxfp4"          # vLLM's name for gpt-oss's MXFP4, whichever was asked
     if configured != "none":
         return configured
-    config = checkpoint_quantization or {}
-    method = config.get("quant_method")
     if method == "modelopt":        # vLLM names ModelOpt's methods by their algorithm
         algo = str(config.get("quant_algo") or (config.get("quantization") or {}).get("quant_algo") or "").upper()
         return "modelopt_fp4" if algo == "NVFP4" else "modelopt"
