@@ -34,6 +34,7 @@ _SIGNATURES = {
     "cuInit": [ctypes.c_uint],
     "cuDeviceGet": [ctypes.POINTER(_int), _int],
     "cuDeviceGetUuid_v2": [ctypes.POINTER(ctypes.c_char), _int],
+    "cuDeviceTotalMem_v2": [ctypes.POINTER(_size), _int],
     "cuMemImportFromShareableHandle": [ctypes.POINTER(_u64), ctypes.c_void_p, _int],
     "cuMemAddressReserve": [ctypes.POINTER(_u64), _size, _size, _u64, _u64],
     "cuMemMap": [_u64, _size, _size, _u64, _u64],
@@ -79,6 +80,14 @@ def device_uuid(ordinal: int) -> str:
         _check(lib.cuDeviceGetUuid_v2(raw, dev), "cuDeviceGetUuid_v2")
         _uuids[ordinal] = uuid_text(bytes(raw))
     return _uuids[ordinal]
+
+
+def total_memory(ordinal: int) -> int:
+    """The GPU's memory in bytes, for a CUDA ordinal."""
+    lib, dev, size = _driver(), _int(), _size()
+    _check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
+    _check(lib.cuDeviceTotalMem_v2(ctypes.byref(size), dev), "cuDeviceTotalMem_v2")
+    return size.value
 
 
 def map_fd(fd: int, size: int, ordinal: int) -> int:

@@ -58,10 +58,11 @@ FD_RESERVE = 64      # descriptors kept for the daemon itself: listener, epoll, 
 
 
 def device_id(device: str, gpu: int) -> str:
-    """"cpu", or GPU `gpu`'s UUID (asked of the driver without creating a context)."""
+    """"cpu", or GPU `gpu`'s UUID (asked of the driver without creating a context; through ctypes,
+    so that a daemon on Debian's python3 needs no cuda-bindings)."""
     if device == "cpu":
         return "cpu"
-    from .gpus import device_uuid
+    from .cudadrv import device_uuid
     return device_uuid(gpu)
 
 

@@ -17,7 +17,8 @@ def driver():
         try:
             from cuda.bindings import driver as drv
         except ImportError:
-            raise ArenaError("CUDA arenas need cuda-bindings", "pip install 'fast-start[cuda]'") from None
+            raise ArenaError("CUDA arenas need cuda-bindings in the fill worker's environment",
+                             "pip install cuda-bindings there (fast-start's [cuda] extra)") from None
         check(drv.cuInit(0), "cuInit")
         _drv = drv
     return _drv
@@ -49,8 +50,3 @@ def uuid_text(raw: bytes) -> str:
     """A GPU's 16 UUID bytes as nvidia-smi writes them: "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"."""
     b = raw.hex()
     return f"GPU-{b[:8]}-{b[8:12]}-{b[12:16]}-{b[16:20]}-{b[20:]}"
-
-
-def total_memory(ordinal: int) -> int:
-    drv = driver()
-    return int(check(drv.cuDeviceTotalMem(check(drv.cuDeviceGet(ordinal), "cuDeviceGet")), "cuDeviceTotalMem"))

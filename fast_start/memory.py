@@ -86,7 +86,7 @@ def device_total(device: str, gpu: int) -> int:
     """Total memory of the daemon's device ("cpu": the host's; else GPU `gpu`, asked of the driver)."""
     if device == "cpu":
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    from .gpus import total_memory
+    from .cudadrv import total_memory
     return total_memory(gpu)
 
 
