@@ -420,10 +420,13 @@ VLLM_UTILIZATION = 0.9      # vLLM's default gpu_memory_utilization
 @fails
 def check_config(config: Path = CONFIG, as_json: bool = JSON,
                  reload: bool = typer.Option(False, "--reload", help="the file alone, as a reload reads it "
-                                             "(the unit's ExecReload= runs this before it signals the daemon)")):
+                                             "(the unit's ExecReload= runs this before it signals the daemon)"),
+                 paths: bool = typer.Option(False, "--paths", hidden=True, help="models and workers only: what "
+                                            "check-config runs again as a unit's user")):
     """Check a config as `nginx -t` does: the file, each model's folder, the memory each GPU's
-    models need against its budget, and each worker interpreter. Exit 0 when all pass, 2 if not."""
-    import subprocess
+    models need against its budget, and each worker interpreter; run as root, also as each
+    fast-start@N unit would see them (its User=, and paths its sandbox hides). Exit 0 when all
+    pass, 2 if not."""
     from .memory import device_total, fill_need, gib, keep_free
     from .headers import rank_bytes
 
@@ -454,7 +457,7 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON,
             checks.append({"check": f"model {m.name}", "ok": True, "detail": f"{m.path} readable by uid {os.geteuid()}"})
         except FastStartError as e:
             checks.append({"check": f"model {m.name}", "ok": False, "detail": str(e)})
-    for gpu, nbytes in sorted(need.items()):
+    for gpu, nbytes in sorted(need.items()) if not paths else ():
         try:
             total = device_total(cfg.daemon.device, gpu)
             budget = configs.parse_bytes(cfg.daemon.memory_budget, total)
@@ -477,6 +480,18 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON,
                     f"gpu_memory_utilization {max(0.0, (total - beside) / total - 0.01):.2f} or cache fewer models")})
         except FastStartError as e:
             checks.append({"check": f"memory GPU {gpu}", "ok": False, "detail": str(e)})
+    checks += _worker_checks(cfg)
+    if os.geteuid() == 0 and not paths:
+        checks += _unit_checks(config, cfg)
+    emit(checks, as_json, human)
+    if not all(c["ok"] for c in checks):
+        raise typer.Exit(2)
+
+
+def _worker_checks(cfg: configs.Config) -> list[dict]:
+    """Each worker interpreter imports fast-start, torch and its engines."""
+    import subprocess
+    rows = []
     for python in sorted({cfg.python(m) for m in cfg.models}):
         named = sorted({m.engine.module for m in cfg.models if cfg.python(m) == python and m.engine})
         modules = ", ".join(["fast_start", "torch", *named])
@@ -484,12 +499,52 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON,
             done = subprocess.run([python, "-c", f"import {modules}"], capture_output=True, text=True, timeout=300)
             detail = f"imports {modules}" if not done.returncode else \
                 (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-            checks.append({"check": f"worker {python}", "ok": not done.returncode, "detail": detail})
+            rows.append({"check": f"worker {python}", "ok": not done.returncode, "detail": detail})
         except (OSError, subprocess.TimeoutExpired) as e:
-            checks.append({"check": f"worker {python}", "ok": False, "detail": str(e)})
-    emit(checks, as_json, human)
-    if not all(c["ok"] for c in checks):
-        raise typer.Exit(2)
+            rows.append({"check": f"worker {python}", "ok": False, "detail": str(e)})
+    return rows
+
+
+def _unit_checks(config: Path, cfg: configs.Config) -> list[dict]:
+    """As the fast-start@N units serving the config's GPUs would see it (where systemd knows
+    them): paths their sandbox hides, named by the setting, and the model and worker checks run
+    again as each unit's User= (`unitview`)."""
+    import subprocess
+    from . import unitview
+    rows, users = [], set()
+    for gpu in sorted({g for m in cfg.models for g in m.gpus}):
+        unit = unitview.read(gpu)
+        if unit is None:
+            continue
+        for m in (m for m in cfg.models if gpu in m.gpus):
+            for what, path in (("model", m.path), ("worker", cfg.python(m))):
+                setting = unitview.hider(unit, path)
+                if setting:
+                    rows.append({"check": f"{unit.name}: {what} {m.name}", "ok": False, "detail": (
+                        f"{path} is hidden from the unit by {setting}: move it where the unit sees it, or "
+                        f"override {setting.split('=')[0]}= in a drop-in (systemctl edit fast-start@.service)")})
+        if (unit.user, unit.group, unit.groups) in users:
+            continue
+        users.add((unit.user, unit.group, unit.groups))
+        who = f"User={unit.user or 'root'}"
+        try:
+            done = subprocess.run([sys.executable, "-m", "fast_start.cli", "check-config", "--config", str(config),
+                                   "--json", "--paths"], capture_output=True, text=True, timeout=600, cwd="/",
+                                  **unitview.as_user(unit))
+            found = json.loads(done.stdout or "null")
+        except (LookupError, OSError, subprocess.TimeoutExpired, ValueError) as e:
+            rows.append({"check": unit.name, "ok": False, "detail": f"cannot check as {who}: {e}"})
+            continue
+        if isinstance(found, dict):         # the child's one-line error: the config itself
+            rows.append({"check": f"{unit.name}: config", "ok": False,
+                         "detail": f"as {who}: {found.get('error')} (fix: {found.get('fix')})"})
+            continue
+        failed = [r for r in found or [] if not r.get("ok")]
+        rows += [{"check": f"{unit.name}: {r['check']}", "ok": False, "detail": f"as {who}: {r['detail']}"}
+                 for r in failed]
+        if not failed and found:
+            rows.append({"check": unit.name, "ok": True, "detail": f"models and workers readable as {who}"})
+    return rows
 
 
 @app.command()

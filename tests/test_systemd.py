@@ -338,6 +338,40 @@ def test_a_reload_with_a_rejected_config_fails_and_the_running_one_keeps_serving
     assert box.run("systemctl", "reload", "fast-start@0", check=False).returncode == 0
 
 
+def test_check_config_as_root_also_checks_as_the_unit_would(box):
+    """Run as root outside the unit, check-config passes for what root can reach, and also checks
+    as fast-start@0 and @1 would: a checkpoint only root can read (0600) fails as the unit's
+    User=, and a worker interpreter under /tmp is named hidden by the unit's PrivateTmp=."""
+    def check() -> tuple[int, dict[str, dict]]:
+        p = box.run(FAST_START, "check-config", "--json", "--config", "/etc/fast-start/fast-start.toml",
+                    check=False, timeout=300)
+        return p.returncode, {r["check"]: r for r in json.loads(p.stdout)}
+
+    code, rows = check()
+    assert code == 0, rows
+    assert rows["fast-start@0.service"]["detail"] == "models and workers readable as User=fast-start"
+    box.run("cp", "-r", "/srv/model", "/srv/secret")
+    box.run("sh", "-c", "chmod 0600 /srv/secret/*")
+    box.run("sh", "-c", f"printf '#!/bin/sh\\nexec {sys.executable} \"$@\"\\n' > /tmp/engine-python")
+    box.run("chmod", "755", "/tmp/engine-python")
+    secret = LLAMA.replace('"llama"', '"secret"').replace("/srv/model", "/srv/secret")
+    box.config.write_text(config_text(extra='worker_python = "/tmp/engine-python"', models=LLAMA + secret))
+    try:
+        code, rows = check()
+        assert code == 2
+        assert rows["model secret"]["ok"] and rows["worker /tmp/engine-python"]["ok"]     # as root
+        unreadable = rows["fast-start@0.service: model secret"]
+        assert not unreadable["ok"] and unreadable["detail"].startswith("as User=fast-start: ")
+        assert "Permission denied" in unreadable["detail"] and "/srv/secret" in unreadable["detail"]
+        for gpu, name in ((0, "llama"), (1, "secret")):
+            hidden = rows[f"fast-start@{gpu}.service: worker {name}"]
+            assert not hidden["ok"] and "/tmp/engine-python is hidden from the unit by PrivateTmp=yes" in hidden["detail"]
+        assert "fast-start@0.service: model llama" not in rows
+    finally:
+        box.config.write_text(config_text())
+        box.run("rm", "-rf", "/srv/secret", "/tmp/engine-python")
+
+
 @pytest.mark.parametrize("extra,reason", [("colour = 3", "[daemon] has unknown key 'colour'"),
                                           ('memory_budget = "1MB"', "more than memory_budget '1MB'")],
                          ids=["unknown key", "budget"])
