@@ -51,7 +51,7 @@ check: $(VENV)/.engines
 # lintian) and installs, upgrades and purges it in the container. As root, install what is
 # missing; otherwise those tests skip and say why.
 SYSTEM_DEPS := systemd-container python3-typer python3-rich python3-systemd debhelper dh-python pybuild-plugin-pyproject \
-	python3-all python3-setuptools lintian
+	python3-all python3-setuptools python3-build python3-venv lintian
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		missing=""; \

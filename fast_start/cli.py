@@ -416,6 +416,75 @@ def example_config():
 VLLM_UTILIZATION = 0.9      # vLLM's default gpu_memory_utilization
 
 
+# The wheel the Debian package ships (packaging/deb/debian/rules): the engine side at its version.
+WHEELS = Path("/usr/share/fast-start")
+CHECK_ENGINE = """import importlib.metadata as m, importlib.util as u, json, sys, fast_start
+print(json.dumps({"version": fast_start.__version__, "file": fast_start.__file__, "prefix": sys.prefix,
+                  "plugin": [e.value for e in m.entry_points(group="vllm.general_plugins") if e.name == "fast_start"],
+                  "torch": u.find_spec("torch") is not None}))"""
+
+
+@app.command("install-engine")
+@fails
+def install_engine(python: Path = typer.Argument(..., help="the engine environment's interpreter, "
+                                                  "e.g. /opt/vllm/.venv/bin/python"),
+                   wheel: Optional[Path] = typer.Option(None, "--wheel", help="the fast-start wheel to install "
+                                                        f"(default: the one in {WHEELS})"),
+                   as_json: bool = JSON):
+    """Install this fast-start, at exactly this version, into an engine's Python environment (the
+    vLLM plugin and the fill worker live there) with no package index, then check it there: it
+    imports fast-start at this version, and vLLM finds the plugin. Exit 0 when it does, 1 if not."""
+    import shutil
+    import subprocess
+    if not os.access(python, os.X_OK) or python.is_dir():
+        raise FastStartError(f"{python} is not an interpreter this user can run",
+                             "name the engine environment's python, e.g. /opt/vllm/.venv/bin/python")
+    wheel = wheel or WHEELS / f"fast_start-{__version__}-py3-none-any.whl"
+    if not wheel.is_file():
+        raise FastStartError(f"no fast-start {__version__} wheel at {wheel}",
+                             "install the fast-start package, which ships it, or pass --wheel FILE "
+                             f"(pip wheel --no-deps fast-start=={__version__} makes one)")
+    if not wheel.name.startswith(f"fast_start-{__version__}-"):
+        raise FastStartError(f"{wheel.name} is not fast-start {__version__}, which this daemon runs",
+                             f"pass the wheel of fast-start {__version__}")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    # cwd "/": `python -c` imports from the working directory first (a checkout would shadow it).
+    run = functools.partial(subprocess.run, capture_output=True, text=True, env=env, timeout=600, cwd="/")
+    # Its dependencies (torch, safetensors) are the engine's own: only this wheel is installed.
+    if run([str(python), "-m", "pip", "--version"]).returncode == 0:
+        command = [str(python), "-m", "pip", "install", "--no-index", "--no-deps", "--force-reinstall",
+                   "--disable-pip-version-check", "--quiet", str(wheel)]
+    elif shutil.which("uv"):
+        command = [shutil.which("uv"), "pip", "install", "--python", str(python), "--offline", "--no-deps",
+                   "--reinstall", str(wheel)]
+    else:
+        raise FastStartError(f"{python}'s environment has no pip, and there is no uv on PATH",
+                             f"{python} -m ensurepip installs pip without an index; then run this again")
+    done = run(command)
+    if done.returncode:
+        raise FastStartError(f"installing {wheel.name} into {python} failed: "
+                             f"{(done.stderr.strip().splitlines() or [f'exit {done.returncode}'])[-1]}",
+                             f"run it by hand to see all of it: {' '.join(command)}")
+    checked = run([str(python), "-c", CHECK_ENGINE])
+    if checked.returncode:
+        raise FastStartError(f"{python} does not import fast-start after the install: "
+                             f"{(checked.stderr.strip().splitlines() or [''])[-1]}", "")
+    got = json.loads(checked.stdout)
+    result = {"python": str(python), "wheel": str(wheel), "command": command, **got}
+    problems = [*([f"it imports fast-start {got['version']} from {got['file']}, not {__version__}"]
+                  if got["version"] != __version__ else []),
+                *([f"it imports fast-start from {got['file']}, outside its environment {got['prefix']}"]
+                  if not got["file"].startswith(got["prefix"].rstrip("/") + "/") else []),
+                *([] if got["plugin"] else ["vLLM's plugin entry point (vllm.general_plugins) is missing"])]
+    if problems:
+        raise FastStartError(f"{python}: " + "; ".join(problems),
+                             "remove what shadows it (PYTHONPATH, a .pth file, a second copy) and run this again")
+    emit(result, as_json, lambda r: out.print(
+        f"{python}: fast-start {r['version']} installed ({r['file']}); vLLM plugin {r['plugin'][0]}"
+        + ("" if r["torch"] else "\nwarning: torch is not installed there: the fill worker and engines need it"),
+        soft_wrap=True, markup=False, highlight=False))
+
+
 @app.command("check-config")
 @fails
 def check_config(config: Path = CONFIG, as_json: bool = JSON,

@@ -45,7 +45,8 @@ engine_version = "test"
 PATHS = ["/usr/bin/fast-start", "/usr/lib/python3/dist-packages/fast_start",
          f"/usr/lib/python3/dist-packages/fast_start-{VERSION}.dist-info", "/lib/systemd/system/fast-start@.service",
          "/usr/lib/sysusers.d/fast-start.conf", "/etc/fast-start", "/usr/share/man/man8/fast-start.8.gz",
-         "/usr/share/bash-completion/completions/fast-start", "/usr/share/doc/fast-start", "/var/lib/fast-start",
+         "/usr/share/bash-completion/completions/fast-start", "/usr/share/doc/fast-start", "/usr/share/fast-start",
+         "/var/lib/fast-start",
          "/var/cache/fast-start", "/run/fast-start", "/etc/systemd/system/multi-user.target.wants/fast-start@0.service"]
 
 
@@ -125,6 +126,17 @@ def test_install_start_serve_upgrade_and_purge(box, debs):
                   'echo "${COMPREPLY[@]}"').stdout.split()
     assert "--all" in words
     assert "ExecStart=/usr/bin/fast-start daemon" in c.run("systemctl", "cat", "fast-start@0").stdout
+
+    # The engine side with no index (the container has no network): the package's wheel into a
+    # fresh venv, at exactly the daemon's version, its vLLM plugin registered.
+    c.run("/usr/bin/python3", "-m", "venv", "/opt/engine")
+    done = c.run("fast-start", "install-engine", "/opt/engine/bin/python", "--json", check=False, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = json.loads(done.stdout)
+    assert got["version"] == VERSION and got["file"].startswith("/opt/engine/lib/python3")
+    assert got["plugin"] == ["fast_start.engines.vllm.loader:register"]
+    assert c.run("/opt/engine/bin/python", "-c", "import fast_start; print(fast_start.__version__)"
+                 ).stdout.strip() == VERSION
 
     # Started with the shipped conffile, whose model folder is not there: a config error, so the
     # unit ends failed at once (no restart loop), the reason in the journal at priority err.
