@@ -151,7 +151,9 @@ def test_help_version_completion_and_python_dash_m():
     for argv in (("--json", "--version"), ("--version", "--json")):
         p = run(exe, *argv)
         assert p.returncode == 0 and json.loads(p.stdout) == {"version": fast_start.__version__}, argv
-    p = run(exe, "--show-completion", "bash")
+    # From bash, as an operator runs it: typer takes the nearest shell among its parents, and
+    # refuses sh (what make runs a recipe with) whatever shell is named.
+    p = run("bash", "-c", f"{exe} --show-completion bash; exit $?")     # not exec-ed: bash stays its parent
     assert p.returncode == 0 and "_FAST_START_COMPLETE=complete_bash" in p.stdout
     env = {**os.environ, "_FAST_START_COMPLETE": "complete_bash", "COMP_WORDS": "fast-start evict --a", "COMP_CWORD": "2"}
     assert run(exe, env=env).stdout.split() == ["--all"]
