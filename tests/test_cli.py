@@ -214,6 +214,17 @@ def test_check_config_passes_a_good_config_and_names_each_failure(tmp_path, smal
     assert r.exit_code == 2 and "does not exist" in r.stderr
 
 
+def test_install_engine_names_a_missing_interpreter_and_a_wheel_of_another_version(tmp_path):
+    r = cli("install-engine", tmp_path / "no-python")
+    assert r.exit_code == 1 and "is not an interpreter this user can run" in r.stderr
+    r = cli("install-engine", sys.executable, "--wheel", tmp_path / "missing.whl")
+    assert r.exit_code == 1 and f"no fast-start {fast_start.__version__} wheel at" in r.stderr
+    other = tmp_path / "fast_start-0.0.1-py3-none-any.whl"
+    other.write_bytes(b"")
+    r = cli("install-engine", sys.executable, "--wheel", other)
+    assert r.exit_code == 1 and f"is not fast-start {fast_start.__version__}, which this daemon runs" in r.stderr
+
+
 def test_fill_refills_an_evicted_model_without_a_restart(tmp_path, small, daemons):
     cfg, d = setup(tmp_path, small, daemons)
     assert cli("evict", "--gpu", 0, "--model", "small", "--config", cfg).exit_code == 0
