@@ -171,6 +171,9 @@ class Daemon:
                 continue
             if m is None or fields:
                 changed[name] = fields
+        if cfg.daemon.shared != self.cfg.daemon.shared:     # allowed users added or all removed: modes follow
+            trust.prepare_socket_dir(self.directory, cfg.daemon.shared)
+            os.chmod(socket_path(self.directory, self.gpu), 0o666 if cfg.daemon.shared else 0o600)
         self.cfg = cfg
         self.server.policy = Policy.of(cfg.daemon)
         self.cache.configure(tuple(new), cfg.daemon.on_release, memory.keep_free(cfg.daemon, self.gpu))

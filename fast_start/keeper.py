@@ -11,6 +11,7 @@ that mapped the old one keep it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -49,6 +50,7 @@ SETTLE_S = 2.0       # a changed checkpoint is refilled once its files stay the 
 RETRY_S = 10.0       # how often an unusable changed checkpoint is looked at again
 RECHECK_S = 30.0     # every cached model's files are compared with the fill's this often
 ROOM_S = 30.0        # how often a fill waiting for device memory looks again
+RESTART_ONLY = ("socket_dir", "device")     # [daemon] settings a reload cannot change: named, kept
 
 
 class Keeper:
@@ -191,9 +193,12 @@ class Keeper:
         notify.notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
         try:
             cfg = configs.load(d.cfg.path, check_paths=False)
-            if (cfg.daemon.socket_dir, cfg.daemon.device) != (d.cfg.daemon.socket_dir, d.cfg.daemon.device):
-                raise FastStartError("socket_dir and device cannot change while the daemon runs",
-                                     f"systemctl restart fast-start@{d.gpu} to apply them")
+            held = {k: getattr(d.cfg.daemon, k) for k in RESTART_ONLY if getattr(cfg.daemon, k) != getattr(d.cfg.daemon, k)}
+            if held:        # the rest is applied; these keep their running values
+                log.warning("reload: %s changed in %s and take effect at a restart (systemctl restart "
+                            "fast-start@%d); until then the daemon keeps %s", ", ".join(held), cfg.path, d.gpu,
+                            ", ".join(f"{k} = {v!r}" for k, v in held.items()))
+                cfg = dataclasses.replace(cfg, daemon=dataclasses.replace(cfg.daemon, **held))
             with d.workers() as workers:
                 cfg = d.resolve(cfg, workers)
         except FastStartError as e:
@@ -203,4 +208,5 @@ class Keeper:
         for name in d.apply(cfg):
             self.retry[name] = time.monotonic()
         log.info("reloaded %s: %d model(s) for GPU %d", cfg.path, len(d.models), d.gpu)
-        notify.notify(f"READY=1\nSTATUS=ready: reloaded, {len(d.models)} model(s) configured")
+        restart = f"; restart to apply {', '.join(held)}" if held else ""
+        notify.notify(f"READY=1\nSTATUS=ready: reloaded, {len(d.models)} model(s) configured{restart}")

@@ -7,6 +7,7 @@ import re
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,23 @@ def test_sighup_reloads_the_config_adding_changing_and_removing_models(tmp_path,
     d.proc.send_signal(signal.SIGHUP)
     wait_until(lambda: "reload failed, keeping the running config" in d.log.read_text(), what="the failed reload")
     assert status(d)["state"] == "ready" and len(status(d)["models"]) == 2
+
+
+def test_a_reload_names_the_settings_that_need_a_restart_and_applies_the_rest(tmp_path, small, daemons):
+    """device cannot change under a running daemon: the reload says so at warning, keeps the
+    running value and applies the rest, here engines of another uid (socket and folder opened)."""
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "fs.toml", run, [model("small", small)])
+    d = daemons(cfg)
+    assert stat.S_IMODE(os.stat(d.socket).st_mode) == 0o600
+    write_config(tmp_path / "fs.toml", run, [model("small", small)], device="cuda", allowed_uids=[4242])
+    d.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "reloaded" in d.log.read_text(), what="the reload")
+    line = next(ln for ln in d.log.read_text().splitlines() if "take effect at a restart" in ln)
+    assert line.startswith("WARNING") and "device changed in" in line and "keeps device = 'cpu'" in line
+    assert stat.S_IMODE(os.stat(d.socket).st_mode) == 0o666 and stat.S_IMODE(os.stat(run).st_mode) == 0o755
+    assert status(d)["state"] == "ready" and [m["name"] for m in status(d)["models"]] == ["small"]
+    d.listener.wait_for("STATUS=ready: reloaded, 1 model(s) configured; restart to apply device")
 
 
 def test_status_evictions_and_evict_work_while_the_model_folder_is_away(tmp_path, small, daemons):
