@@ -50,6 +50,7 @@ class Entry:
     names: list[str] = field(default_factory=list)     # its FDNAMEs in systemd's fd store
     pins: int = 0                                       # replies carrying its fds being sent
     retired: bool = False                               # evicted: fds close with the last pin
+    adopted: bool = False                               # taken back from systemd's fd store, not filled
 
     def __post_init__(self):
         # Encoded once, sent to every engine: the tensor table and the rest of the manifest.
@@ -74,6 +75,7 @@ class Cache:
                  on_stale: Callable[[str, str], None] = lambda model, why: None,
                  on_fill: Callable[[str], None] = lambda model: None):
         self.gpu, self.device, self.on_release = gpu, device, on_release
+        self.started = time.time()
         self.keep_free = 0                              # bytes fills leave free for engines (`[daemon] keep_free`)
         self.notes: dict[str, str] = {}                 # model -> the last copy refused for want of room
         self.on_evict, self.on_stale, self.on_fill = on_evict, on_stale, on_fill
@@ -373,13 +375,14 @@ class Cache:
             missing = [self.pending.get(n) or {"name": n, "state": "missing", "detail": "", "since": None}
                        for n in self.configured if n not in self.entries]
             return {"gpu": self.gpu, "state": "ready" if not missing else "incomplete", "device": self.device,
-                    "pid": os.getpid(),
+                    "pid": os.getpid(), "version": __version__, "started_at": self.started,
                     "models": [{"name": n, **({"path": e.model.path} if admin else {}),
                                 "rank": e.manifest.fingerprint.rank,
                                 "tensor_parallel_size": e.manifest.fingerprint.tensor_parallel_size,
                                 "bytes": e.nbytes, "tensors": len(e.manifest.tensors),
                                 "fingerprint": e.manifest.fingerprint.digest()[:16],
                                 "fill_seconds": round(e.fill_seconds, 3), "filled_at": e.filled_at,
+                                "adopted": e.adopted,
                                 "arenas": len(e.manifest.arenas), **({"note": self.notes[n]} if n in self.notes else {})}
                                for n, e in self.entries.items()],
                     "memory": self._memory(now),

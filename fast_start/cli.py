@@ -36,7 +36,9 @@ from .trust import TrustError
 
 app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
                   help="Keep inference engines' weights resident on each GPU between restarts.")
-out = Console()
+# No markup: paths, details and errors print as they are ("fast-start[cuda]" keeps its brackets);
+# piped, no 80-column cut: a table is as wide as its longest path.
+out = Console(markup=False, width=None if sys.stdout.isatty() else 1000)
 
 CONFIG = typer.Option(configs.DEFAULT_PATH, "--config", help="config file (finds the socket directory)")
 GPU = typer.Option(None, "--gpu", help="GPU index; all daemons in the socket directory when left out")
@@ -153,8 +155,33 @@ def daemon_cmd(gpu: int = typer.Option(..., "--gpu", help="the GPU this daemon s
 
 @app.command()
 @fails
-def status(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON):
-    """State per GPU: loading (progress), ready or failed; models, bytes, fingerprints, leases."""
+def status(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON,
+           watch_s: Optional[float] = typer.Option(None, "--watch", help="show it again every this many seconds, "
+                                                   "until interrupted (Ctrl-C)")):
+    """State per GPU: loading (progress, time left), ready or failed; models, bytes, fingerprints,
+    leases; memory; each daemon's version and uptime."""
+    if watch_s is None:
+        return _status_once(gpu, config, as_json)
+    if as_json or _json[0] or watch_s <= 0:
+        raise ConfigError(f"--watch {watch_s:g} with --json" if watch_s > 0 else f"--watch {watch_s:g}",
+                          "watch a table every N > 0 seconds; for JSON, call status --json in a loop")
+    try:
+        while True:
+            out.clear()
+            out.print(time.strftime("%H:%M:%S"), f"fast-start status, every {watch_s:g} s (Ctrl-C ends it)",
+                      markup=False, highlight=False)
+            try:
+                _status_once(gpu, config, False)
+            except typer.Exit:
+                pass                        # not ready, or no daemon (said): watched until it is
+            except FastStartError as e:
+                out.print(f"error: {e.what}", markup=False, highlight=False)
+            time.sleep(watch_s)
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+def _status_once(gpu: Optional[int], config: Path, as_json: bool) -> None:
     directory = socket_dir(config)
     states = []
     for g in gpus(directory, gpu):
@@ -220,7 +247,8 @@ def _status_table(states: list[dict]) -> None:
     for s in states:
         if "models" not in s:       # from the state file: loading or failed, no socket yet
             p = s.get("progress")
-            detail = f"{p['model']} {p['done'] / 2**30:.2f}/{p['total'] / 2**30:.2f} GiB" if p else s.get("error", "")
+            left = f", about {p['eta_s']} s left" if p and isinstance(p.get("eta_s"), int) else ""
+            detail = f"{p['model']} {p['done'] / 2**30:.2f}/{p['total'] / 2**30:.2f} GiB{left}" if p else s.get("error", "")
             table.add_row(str(s["gpu"]), s["state"], detail, "", "", "", "", "")
             continue
         leases = s["leases"]
@@ -229,12 +257,16 @@ def _status_table(states: list[dict]) -> None:
             table.add_row(str(s["gpu"]), "ready", m.get("name", "(none)"),
                           f"{m['rank']}/{m['tensor_parallel_size']}" if m else "",
                           f"{m['bytes'] / 2**30:.2f}" if m else "", m.get("fingerprint", ""),
-                          str(m.get("fill_seconds", "")), " ".join(held) or "-")
+                          "re-adopted" if m.get("adopted") else str(m.get("fill_seconds", "")), " ".join(held) or "-")
         for m in s["missing"]:
             table.add_row(str(s["gpu"]), m["state"], f"{m['name']}: {m['detail']}" if m["detail"] else m["name"],
                           "", "", "", "", "")
     out.print(table)
     for s in states:
+        if isinstance(s.get("started_at"), (int, float)):
+            up = _duration(time.time() - s["started_at"])
+            out.print(f"GPU {s['gpu']}: fast-start {s.get('version', '?')}, pid {s['pid']}, up {up}",
+                      markup=False, highlight=False)
         mem = s.get("memory") or {}
         if "held" in mem:
             size = configs.format_bytes
@@ -246,6 +278,15 @@ def _status_table(states: list[dict]) -> None:
         for m in s.get("models") or []:
             if m.get("note"):
                 out.print(f"GPU {s['gpu']} {m['name']}: {m['note']}", markup=False, highlight=False)
+
+
+def _duration(seconds: float) -> str:
+    """"3 d 4 h", "2 h 5 min", "4 min 10 s", "12 s"."""
+    s = max(0, int(seconds))
+    for unit, size, sub, subsize in (("d", 86400, "h", 3600), ("h", 3600, "min", 60), ("min", 60, "s", 1)):
+        if s >= size:
+            return f"{s // size} {unit} {s % size // subsize} {sub}"
+    return f"{s} s"
 
 
 @app.command()

@@ -94,6 +94,7 @@ class Daemon:
         self.cfg, self.gpu = cfg, gpu
         self.directory = cfg.daemon.socket_dir
         self.stop, self.reload_asked = threading.Event(), threading.Event()
+        self.fill_began: dict[str, tuple[float, int]] = {}     # model -> (monotonic start, bytes done): the ETA
         self.limits, max_connections = fd_budget()
         self.cache = Cache(gpu, device_id(cfg.daemon.device, gpu), cfg.daemon.on_release, self.limits,
                            on_evict=lambda entry: fdstore.remove(entry.names),
@@ -207,7 +208,8 @@ class Daemon:
                               "raise memory_budget or serve fewer or smaller models on this GPU")
 
     def write_state(self, state: str, **extra) -> None:
-        body = {"gpu": self.gpu, "state": state, "pid": os.getpid(), "time": time.time(), **extra}
+        body = {"gpu": self.gpu, "state": state, "pid": os.getpid(), "time": time.time(), "version": __version__,
+                "started_at": self.cache.started, **extra}
         files.write_atomic(state_path(self.directory, self.gpu), json.dumps(body), 0o600)
 
     def device(self) -> str:
@@ -255,10 +257,19 @@ class Daemon:
                          "again meanwhile", need - room)
 
     def report_progress(self, p: protocol.Progress, starting: bool) -> None:
-        text = f"filling {p.model} rank {p.rank}: {p.done / 2**30:.2f} / {p.total / 2**30:.2f} GiB"
+        now = time.monotonic()
+        began, last = self.fill_began.get(p.model, (now, 0))
+        if p.done < last:                   # another fill of it (a retry, a refill): timed afresh
+            began = now
+        self.fill_began[p.model] = (began, p.done)
+        # The rest at the rate so far: known once some bytes are in and a second has passed.
+        eta = round((now - began) * (p.total - p.done) / p.done) if p.done and now - began >= 1 else None
+        left = f", about {eta} s left" if eta is not None and p.done < p.total else ""
+        text = f"filling {p.model} rank {p.rank}: {p.done / 2**30:.2f} / {p.total / 2**30:.2f} GiB{left}"
         if starting:
             notify.status(text)
-            self.write_state("loading", progress={"model": p.model, "rank": p.rank, "done": p.done, "total": p.total})
+            self.write_state("loading", progress={"model": p.model, "rank": p.rank, "done": p.done, "total": p.total,
+                                                  **({"eta_s": eta} if eta is not None else {})})
         else:
             self.cache.set_pending(p.model, "filling", text)
 
@@ -292,7 +303,7 @@ class Daemon:
             if bad:
                 self.drop(st, f"checksums differ ({len(bad)} tensors)", "checksum")
                 continue
-            entry = Entry(model, st.manifest, st.fds, 0.0, st.files, st.filled_at, st.names)
+            entry = Entry(model, st.manifest, st.fds, 0.0, st.files, st.filled_at, st.names, adopted=True)
             self.cache.add(entry)
             adopted.add(st.model)
             log.info("re-adopted %s rank %d (%s, %d tensors) from systemd's fd store", st.model,

@@ -83,6 +83,9 @@ def test_status_while_loading_and_usage_errors(tmp_path, small, daemons):
     r = cli("status", "--config", cfg)
     assert r.exit_code == 1 and "loading" in r.stdout
     assert cli("evict", "--config", cfg).exit_code == 2           # --gpu is required
+    for argv in (("--watch", 0), ("--watch", 2, "--json")):
+        r = cli("status", "--config", cfg, *argv)
+        assert r.exit_code == 2 and "watch a table every N > 0 seconds" in r.stdout + r.stderr     # JSON: stdout
     r = cli("status", "--config", tmp_path / "missing.toml")
     assert r.exit_code == 2 and "does not exist" in r.stderr
 

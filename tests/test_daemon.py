@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import select
 import signal
 import socket
@@ -44,6 +45,7 @@ def test_ready_comes_after_every_model_is_cached_and_the_socket_exists(tmp_path,
     before = [(t, m, e) for t, m, e in d.listener.messages if t < t_ready]
     progress = [m for _, m, _ in before if m.startswith("STATUS=filling llama rank 0:")]
     assert len(progress) >= 3, d.listener.texts()          # the fill takes ~2 s at 8 MB/s
+    assert any(re.search(r"GiB, about \d+ s left$", m) for m in progress), progress    # once a second has passed
     assert len([m for _, m, _ in before if m.startswith("EXTEND_TIMEOUT_USEC=")]) >= 2
     assert not any(e for _, _, e in before), "the socket existed before READY"
     s = status(d)

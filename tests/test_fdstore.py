@@ -11,6 +11,8 @@ from scramble import scramble
 
 import fast_start
 from devtools.harness import write_config
+from fast_start.cli import app
+from typer.testing import CliRunner
 
 
 def model(path, **kw):
@@ -36,6 +38,9 @@ def test_restarted_daemon_readopts_the_store_without_reading_tensors(tmp_path, l
     second = daemons(cfg, listen=listen)
     assert not second.listener.texts("STATUS=filling llama")
     assert "re-adopted llama rank 0" in second.log.read_text()
+    r = CliRunner().invoke(app, ["status", "--config", str(cfg)])
+    row = next(line for line in r.stdout.splitlines() if "llama" in line)
+    assert r.exit_code == 0 and "re-adopted" in row and f"fast-start {fast_start.__version__}, pid" in r.stdout
     cache = fast_start.fetch(spec, socket_dir=str(tmp_path / "run"), fallback=False)
     assert cache.fingerprint == disk.fingerprint
     for name in disk:
