@@ -371,10 +371,12 @@ def _check_tp(folder: Path, tp: int, name: str) -> None:
 
 @app.command()
 @fails
-def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"), gpu: Optional[int] = GPU,
+def verify(name: str = typer.Option(..., "--model", help="a model's name in the config, or a checkpoint folder"),
+           gpu: Optional[int] = GPU,
            deep: bool = typer.Option(False, "--deep", help="re-derive the bytes from disk and compare checksums"),
            config: Path = CONFIG, as_json: bool = JSON):
     """Does the cache match this checkpoint? Exit 0 on a match, 1 on a mismatch or nothing cached."""
+    model = _model_folder(name, config)
     directory = socket_dir(config)
     raws = {name: raw_header(model / name) for name in weight_files(model)}
     headers = checkpoint_hash(model, known=raws)
@@ -413,6 +415,22 @@ def verify(model: Path = typer.Option(..., "--model", help="checkpoint folder"),
     emit(results, as_json, human)
     if not results or not all(r["match"] for r in results):
         raise typer.Exit(1)
+
+
+def _model_folder(name: str, config: Path) -> Path:
+    """`--model`: a checkpoint folder, or the folder of the model the config names so."""
+    if Path(name).is_dir():
+        return Path(name)
+    try:
+        models = configs.load(config, check_paths=False).models
+    except ConfigError as e:
+        raise ConfigError(f"--model {name!r} is not a folder, and the config that could name it does not load: "
+                          f"{e.what}", e.fix) from None
+    found = next((m for m in models if m.name == name), None)
+    if found is None:
+        raise ConfigError(f"--model {name!r} is neither a checkpoint folder nor a model of {config}",
+                          f"pass a folder or one of: {', '.join(m.name for m in models) or '(no models configured)'}")
+    return Path(found.path)
 
 
 def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpec, files: dict,

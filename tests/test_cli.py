@@ -65,6 +65,10 @@ def test_verify_match_another_copy_and_no_daemon(tmp_path, small, daemons):
     cfg, d = setup(tmp_path, small, daemons)
     r = cli("verify", "--model", small, "--config", cfg)
     assert r.exit_code == 0 and "small: match" in r.stdout
+    r = cli("verify", "--model", "small", "--config", cfg)           # by its name in the config
+    assert r.exit_code == 0 and "small: match" in r.stdout
+    r = cli("verify", "--model", "smal", "--config", cfg)
+    assert r.exit_code == 2 and "is neither a checkpoint folder nor a model of" in r.stderr and "one of: small" in r.stderr
     r = cli("verify", "--model", small, "--config", cfg, "--deep", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)[0]["tensors_differing"] == []
     copy = shutil.copytree(small, tmp_path / "copy")         # the same headers in other files
