@@ -10,6 +10,7 @@ systemd 252 empties the store on `stop` (and on a failure with `Restart=no`).
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -39,7 +40,9 @@ def store(model: str, manifest: Manifest, fds: list[int], filled_at: float, file
     """Put a model's manifest and arena fds into the store; returns their FDNAMEs (none without systemd)."""
     if not os.environ.get("NOTIFY_SOCKET"):
         return []
-    key = manifest.fingerprint.digest()[:16]
+    # By model and fingerprint: two models of one fingerprint (an engine upgrade's second entry
+    # for the same checkpoint) must not share names, or removing one's removes the other's.
+    key = hashlib.sha256(f"{model}\0{manifest.fingerprint.digest()}".encode()).hexdigest()[:16]
     names = [f"{PREFIX}-{key}-m"] + [f"{PREFIX}-{key}-a{j}" for j in range(len(fds))]
     record = json.dumps({"model": model, "manifest": manifest.to_dict(), "filled_at": filled_at,
                          "files": files}).encode()

@@ -75,3 +75,17 @@ def test_eviction_removes_the_model_from_the_store(tmp_path, llama, daemons):
     while d.listener.store and time.monotonic() < deadline:
         time.sleep(0.05)
     assert d.listener.store == {}
+
+
+def test_two_models_of_one_fingerprint_are_stored_and_readopted_apart(tmp_path, llama, daemons):
+    """Two entries for one checkpoint (an engine upgrade's second entry, before the engines move)
+    have one fingerprint: their fd store names differ, so both come back after a crash, and the
+    eviction of one leaves the other's."""
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model(llama), {**model(llama), "name": "next"}])
+    first = daemons(cfg)
+    assert len(first.listener.store) == 4
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(30)
+    second = daemons(cfg, listen=dict(first.listener.store))
+    log = second.log.read_text()
+    assert "re-adopted llama rank 0" in log and "re-adopted next rank 0" in log and "cached" not in log
