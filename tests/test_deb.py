@@ -86,21 +86,28 @@ def box(debs, tmp_path_factory, llama):
     dropin = tmp / "dropin"
     dropin.mkdir()
     (dropin / "test.conf").write_text("[Service]\nRestartSec=1\n" + env.service_dropin)
-    binds = {**env.binds, str(model): "/srv/model", str(conf): "/srv/conf", str(debs[VERSION].parent): "/srv/debs",
-             str(dropin): "/etc/systemd/system/fast-start@.service.d"}
-    c = Container(tmp, binds, overlays=("/usr", "/var"))
-    # The host's users and groups next to the container's own: the dpkg database (the host's)
-    # names some of them.
-    for table in ("passwd", "group"):
-        have = {line.split(":")[0] for line in c.run("cat", f"/etc/{table}").stdout.splitlines()}
-        (conf / table).write_text("".join(line + "\n" for line in Path(f"/etc/{table}").read_text().splitlines()
-                                          if line.split(":")[0] not in have))
-        c.run("sh", "-c", f"cat /srv/conf/{table} >> /etc/{table}")
-    env.open_to_others(c)
+    binds = {str(model): "/srv/model", str(conf): "/srv/conf", str(dropin): "/etc/systemd/system/fast-start@.service.d"}
+    c = apt_container(tmp, env, debs, binds)
     c.want = sums(fast_start.fetch(fast_start.WeightSpec(str(model), tensor_parallel_size=2, rank=0,
                                                          engine_version="test"), socket_dir="/nonexistent"))
     yield c
     c.close()
+
+
+def apt_container(tmp: Path, env: RunEnv, debs: dict, binds: dict[str, str]) -> Container:
+    """A container booted with systemd whose /usr and /var are throwaway overlays of the host's
+    (apt installs there), with the checkout and its environment (`env`), the built packages at
+    /srv/debs and `binds`."""
+    c = Container(tmp, {**env.binds, str(debs[VERSION].parent): "/srv/debs", **binds}, overlays=("/usr", "/var"))
+    # The host's users and groups next to the container's own: the dpkg database (the host's)
+    # names some of them.
+    for table in ("passwd", "group"):
+        have = {line.split(":")[0] for line in c.run("cat", f"/etc/{table}").stdout.splitlines()}
+        missing = "".join(line + "\n" for line in Path(f"/etc/{table}").read_text().splitlines()
+                          if line.split(":")[0] not in have)
+        c.run("sh", "-c", f"cat >> /etc/{table} <<'EOF'\n{missing}EOF")
+    env.open_to_others(c)
+    return c
 
 
 def installed_version(c) -> str:
@@ -120,7 +127,10 @@ def test_install_start_serve_upgrade_and_purge(box, debs):
     assert c.run("fast-start", "--version").stdout.strip() == f"fast-start {VERSION}"
     assert "/etc/fast-start/fast-start.toml" in c.run("dpkg-query", "-W", "-f", "${Conffiles}", "fast-start").stdout
     assert c.run("getent", "passwd", "fast-start").stdout.startswith("fast-start:")
-    assert c.run("zcat", "/usr/share/man/man8/fast-start.8.gz").stdout.startswith(".TH FAST\\-START 8")
+    man = c.run("zcat", "/usr/share/man/man8/fast-start.8.gz").stdout
+    assert man.startswith(".TH FAST\\-START 8") and "/usr/share/doc/fast\\-start/RUNBOOK.md.gz" in man
+    runbook = c.run("zcat", "/usr/share/doc/fast-start/RUNBOOK.md.gz").stdout
+    assert runbook == (REPO / "RUNBOOK.md").read_text()
     words = c.run("bash", "-c", "source /usr/share/bash-completion/completions/fast-start; "
                   "COMP_WORDS=(fast-start evict --a); COMP_CWORD=2; _fast_start_completion fast-start; "
                   'echo "${COMPREPLY[@]}"').stdout.split()

@@ -34,6 +34,8 @@ FILES = [
     ("/var/lib/fast-start/gpuN.evictions.json", "GPU N's eviction history, kept across restarts"),
     ("/var/cache/fast-start", "the fill worker's HOME and cache directory (vLLM, Triton)"),
     ("/lib/systemd/system/fast-start@.service", "the template unit: one instance per GPU"),
+    ("/usr/share/doc/fast-start/RUNBOOK.md.gz", "the runbook (zless it): install, configure, check, rotate a "
+     "model, upgrade the engine, recover from a crash, read the metrics, troubleshoot, uninstall"),
 ]
 EXIT = [("0", "success"),
         ("1", "what was asked for does not hold: a model not cached, a mismatch, a failed fill, an I/O error"),
