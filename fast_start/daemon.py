@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import grp
 import json
 import logging
 import os
@@ -424,8 +425,8 @@ class Daemon:
                     failing, written = "", path
                 except OSError as e:
                     if failing != path:         # once, not every METRICS_S
-                        log.warning("cannot write the metrics file %s: %s (the unit needs a ReadWritePaths= "
-                                    "drop-in for its folder)", path, e.strerror or e)
+                        log.warning("cannot write the metrics file %s: %s (fix: %s)", path, e.strerror or e,
+                                    _metrics_fix(e, os.path.dirname(path)))
                     failing = path
             if self.stop.wait(METRICS_S):
                 if written:             # a stopped daemon exports nothing, not its last figures
@@ -563,3 +564,17 @@ def run(config_path: str, gpu: int) -> int:
         log.warning("%s lists no model for GPU %d; serving an empty cache", config_path, gpu)
     log.info("fast-start %s daemon for GPU %d (%s)", __version__, gpu, sys.executable)
     return Daemon(cfg, gpu).run()
+
+
+def _metrics_fix(e: OSError, folder: str) -> str:
+    """What makes `folder` writable for the metrics file, by why the write failed."""
+    if e.errno == errno.EROFS:
+        return (f"the unit sees {folder} read-only (ProtectSystem=strict): add a drop-in with "
+                f"ReadWritePaths={folder} (systemctl edit fast-start@.service)")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        group = grp.getgrgid(os.getegid()).gr_name
+        return (f"the daemon's user may not write {folder}: give its group the folder, e.g. "
+                f"chgrp {group} {folder} && chmod g+w {folder}")
+    if e.errno == errno.ENOENT:
+        return f"create {folder}, writable by the daemon's user"
+    return "check the folder and its file system"

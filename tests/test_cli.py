@@ -352,3 +352,17 @@ def test_example_config_ships_with_the_wheel_and_the_missing_config_error_names_
     assert p.returncode == 0, p.stderr
     names = zipfile.ZipFile(next((tmp_path / "wheel").glob("fast_start-*.whl"))).namelist()
     assert "fast_start/example/fast-start.toml" in names and "fast_start/__main__.py" in names
+
+
+def test_a_metrics_file_that_cannot_be_written_gets_the_fix_for_its_cause():
+    """Read-only under the unit's ProtectSystem= wants a ReadWritePaths= drop-in; a folder the
+    daemon's user may not write wants its group; a missing folder wants creating."""
+    import errno
+    import grp
+
+    from fast_start.daemon import _metrics_fix
+    folder = "/var/lib/prometheus/node-exporter"
+    assert "ReadWritePaths=" + folder in _metrics_fix(OSError(errno.EROFS, "Read-only file system"), folder)
+    group = grp.getgrgid(os.getegid()).gr_name
+    assert f"chgrp {group} {folder} && chmod g+w {folder}" in _metrics_fix(OSError(errno.EACCES, "denied"), folder)
+    assert _metrics_fix(OSError(errno.ENOENT, "No such file"), folder).startswith(f"create {folder}")
