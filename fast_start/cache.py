@@ -35,6 +35,7 @@ log = logging.getLogger("fast_start.daemon")
 MODES = ("zero_copy", "copy")
 # The reasons a miss and an eviction are counted by (`fast-start metrics`): each configured model's
 # counters are there from the start, at 0, so that a rate or an alert sees them before any event.
+MODEL_STATES = ("cached", "filling", "no_room", "stale", "failed", "evicted", "missing")
 MISS_REASONS = ("fingerprint", "files", "access", "memory", "evicted", "not_cached")
 EVICTION_REASONS = ("manual", "release", "config change", "checkpoint changed")
 
@@ -413,6 +414,10 @@ class Cache:
                        for name in self.entries]
             gauges += [self.metrics.sample("fast_start_device_memory_bytes", value, kind=kind)
                        for kind, value in self._memory(now).items() if kind != "keep_free"]
+            for name in self.configured:
+                state = "cached" if name in self.entries else (self.pending.get(name) or {}).get("state", "missing")
+                gauges += [self.metrics.sample("fast_start_model_state", int(s == state), model=name, state=s)
+                           for s in MODEL_STATES]
         gauges += [self.metrics.sample("fast_start_up", 1), self.metrics.sample("fast_start_build_info", 1,
                                                                                version=__version__)]
         return {"gpu": self.gpu, "samples": self.metrics.samples() + gauges}

@@ -29,6 +29,8 @@ FAMILIES = {
                                        "by the daemon's cache.", ("gpu", "kind")),
     "fast_start_fill_shortfall_bytes": ("gauge", "Free device memory a waiting fill lacks (0 once it fits).",
                                         ("gpu", "model")),
+    "fast_start_model_state": ("gauge", "1 for the configured model's state (cached, filling, no_room, stale, failed, "
+                               "evicted, missing), 0 for the others.", ("gpu", "model", "state")),
 }
 
 

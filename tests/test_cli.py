@@ -311,6 +311,8 @@ def test_metrics_count_a_scripted_sequence_and_parse_as_prometheus_text(tmp_path
     assert got[("fast_start_device_memory_bytes", (("kind", "held"),))] == 0
     assert got[("fast_start_device_memory_bytes", (("kind", "free"),))] is True
     assert got[("fast_start_up", ())] == 1
+    assert got[("fast_start_model_state", (("model", "small"), ("state", "evicted")))] == 1      # one state at 1
+    assert sum(v for (n, labels), v in got.items() if n == "fast_start_model_state") == 1
     # Counters no event touched are there, at 0.
     assert got[("fast_start_cache_misses_total", (("model", "small"), ("reason", "access")))] == 0
     assert got[("fast_start_evictions_total", (("model", "small"), ("reason", "checkpoint changed")))] == 0
