@@ -248,7 +248,8 @@ def _status_table(states: list[dict]) -> None:
         if "models" not in s:       # from the state file: loading or failed, no socket yet
             p = s.get("progress")
             left = f", about {p['eta_s']} s left" if p and isinstance(p.get("eta_s"), int) else ""
-            detail = f"{p['model']} {p['done'] / 2**30:.2f}/{p['total'] / 2**30:.2f} GiB{left}" if p else s.get("error", "")
+            detail = (f"{p['model']} {p['done'] / 2**30:.2f}/{p['total'] / 2**30:.2f} GiB{left}" if p
+                      else s.get("error", ""))
             table.add_row(str(s["gpu"]), s["state"], detail, "", "", "", "", "")
             continue
         leases = s["leases"]

@@ -193,7 +193,8 @@ class Keeper:
         notify.notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
         try:
             cfg = configs.load(d.cfg.path, check_paths=False)
-            held = {k: getattr(d.cfg.daemon, k) for k in RESTART_ONLY if getattr(cfg.daemon, k) != getattr(d.cfg.daemon, k)}
+            held = {k: getattr(d.cfg.daemon, k) for k in RESTART_ONLY
+                    if getattr(cfg.daemon, k) != getattr(d.cfg.daemon, k)}
             if held:        # the rest is applied; these keep their running values
                 log.warning("reload: %s changed in %s and take effect at a restart (systemctl restart "
                             "fast-start@%d); until then the daemon keeps %s", ", ".join(held), cfg.path, d.gpu,

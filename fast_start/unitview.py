@@ -26,7 +26,7 @@ class Unit:
     user: str                               # "" where the unit runs as root
     group: str
     groups: tuple[str, ...]
-    hidden: tuple[tuple[str, str], ...]     # (path, the setting that hides it and what is under it)
+    hidden: tuple[tuple[str, str], ...]     # (a path, the setting that hides it and all under it)
     bound: tuple[str, ...] = ()             # BindPaths= / BindReadOnlyPaths= destinations: seen again
 
 
@@ -47,8 +47,8 @@ def read(gpu: int) -> Unit | None:
         return None
     bound = [entry.lstrip("-").split(":")[1 if ":" in entry else 0]
              for key in ("BindPaths", "BindReadOnlyPaths") for entry in props.get(key, "").split()]
-    return Unit(name, props.get("User", ""), props.get("Group", ""), tuple(props.get("SupplementaryGroups", "").split()),
-                tuple(hidden(props)), tuple(bound))
+    return Unit(name, props.get("User", ""), props.get("Group", ""),
+                tuple(props.get("SupplementaryGroups", "").split()), tuple(hidden(props)), tuple(bound))
 
 
 def hidden(props: dict[str, str]) -> list[tuple[str, str]]:

@@ -49,7 +49,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gatherv", "reduce_scatter", "red
                "recv_object", "send_tensor_dict", "recv_tensor_dict", "send", "recv", "barrier", "dispatch", "combine")
 
 
-FP4 = ("compressed-tensors", "modelopt_fp4", "gpt_oss_mxfp4")     # their loaded stage (the engine repacks): not verified
+# FP4 methods: their loaded stage (the engine repacks) is not verified, only the processed one.
+FP4 = ("compressed-tensors", "modelopt_fp4", "gpt_oss_mxfp4")
 
 
 def stage_for(device: str, quantization: str, model: torch.nn.Module) -> str:
