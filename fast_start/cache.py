@@ -33,9 +33,9 @@ from .trust import Peer
 log = logging.getLogger("fast_start.daemon")
 
 MODES = ("zero_copy", "copy")
+MODEL_STATES = ("cached", "filling", "no_room", "stale", "failed", "evicted", "missing")   # fast_start_model_state
 # The reasons a miss and an eviction are counted by (`fast-start metrics`): each configured model's
 # counters are there from the start, at 0, so that a rate or an alert sees them before any event.
-MODEL_STATES = ("cached", "filling", "no_room", "stale", "failed", "evicted", "missing")
 MISS_REASONS = ("fingerprint", "files", "access", "memory", "evicted", "not_cached")
 EVICTION_REASONS = ("manual", "release", "config change", "checkpoint changed")
 

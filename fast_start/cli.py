@@ -169,13 +169,13 @@ def status(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON
         while True:
             out.clear()
             out.print(time.strftime("%H:%M:%S"), f"fast-start status, every {watch_s:g} s (Ctrl-C ends it)",
-                      markup=False, highlight=False)
+                      highlight=False)
             try:
                 _status_once(gpu, config, False)
             except typer.Exit:
                 pass                        # not ready, or no daemon (said): watched until it is
             except FastStartError as e:
-                out.print(f"error: {e.what}", markup=False, highlight=False)
+                out.print(f"error: {e.what}", highlight=False)
             time.sleep(watch_s)
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
@@ -267,7 +267,7 @@ def _status_table(states: list[dict]) -> None:
         if isinstance(s.get("started_at"), (int, float)):
             up = _duration(time.time() - s["started_at"])
             out.print(f"GPU {s['gpu']}: fast-start {s.get('version', '?')}, pid {s['pid']}, up {up}",
-                      markup=False, highlight=False)
+                      highlight=False)
         mem = s.get("memory") or {}
         if "held" in mem:
             size = configs.format_bytes
@@ -275,10 +275,10 @@ def _status_table(states: list[dict]) -> None:
             free = f", {size(mem['free'])} free" if "free" in mem else " (free memory unknown: no NVML)"
             where = f"GPU {s['gpu']}" + (" (host memory)" if s.get("device") == "cpu" else "")
             out.print(f"{where}: {known}{size(mem['held'])} held by the cache{free}, "
-                      f"keep_free {size(mem['keep_free'])}", markup=False, highlight=False)
+                      f"keep_free {size(mem['keep_free'])}", highlight=False)
         for m in s.get("models") or []:
             if m.get("note"):
-                out.print(f"GPU {s['gpu']} {m['name']}: {m['note']}", markup=False, highlight=False)
+                out.print(f"GPU {s['gpu']} {m['name']}: {m['note']}", highlight=False)
 
 
 def _duration(seconds: float) -> str:
@@ -514,8 +514,8 @@ def install_engine(python: Path = typer.Argument(..., help="the engine environme
     if run([str(python), "-m", "pip", "--version"]).returncode == 0:
         command = [str(python), "-m", "pip", "install", "--no-index", "--no-deps", "--force-reinstall",
                    "--disable-pip-version-check", "--quiet", str(wheel)]
-    elif shutil.which("uv"):
-        command = [shutil.which("uv"), "pip", "install", "--python", str(python), "--offline", "--no-deps",
+    elif uv := shutil.which("uv"):
+        command = [uv, "pip", "install", "--python", str(python), "--offline", "--no-deps",
                    "--reinstall", str(wheel)]
     else:
         raise FastStartError(f"{python}'s environment has no pip, and there is no uv on PATH",
@@ -542,7 +542,7 @@ def install_engine(python: Path = typer.Argument(..., help="the engine environme
     emit(result, as_json, lambda r: out.print(
         f"{python}: fast-start {r['version']} installed ({r['file']}); vLLM plugin {r['plugin'][0]}"
         + ("" if r["torch"] else "\nwarning: torch is not installed there: the fill worker and engines need it"),
-        soft_wrap=True, markup=False, highlight=False))
+        soft_wrap=True, highlight=False))
 
 
 @app.command("check-config")

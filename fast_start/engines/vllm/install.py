@@ -128,6 +128,8 @@ def _repoint(modules, replaced: dict[int, torch.nn.Parameter]) -> None:
     with: gpt-oss's attention hands its `sinks` parameter to the backend's impl. Where install
     replaced such a parameter (`replaced`: by the old one's id), the reference follows it; the
     default loader, which copies into the parameter, needs no such step."""
+    if not replaced:
+        return
     for module in modules:
         for held in list(vars(module).values()):
             if isinstance(held, (torch.nn.Module, torch.Tensor)) or not hasattr(held, "__dict__"):

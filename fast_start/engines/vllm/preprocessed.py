@@ -69,28 +69,30 @@ def _nvfp4_moe_marlin(method, layer: torch.nn.Module) -> None:
             vars(layer)[key] = layer._buffers.pop(key)
     layer.workspace = marlin_make_workspace_new(layer.w13_weight.device, 4)
     layer.w13_input_scale = layer.w2_input_scale = None
-    method.moe_quant_config = method.get_fused_moe_quant_config(layer)
-    extra = {"layer": layer} if "layer" in inspect.signature(make_nvfp4_moe_kernel).parameters else {}
-    method.moe_kernel = make_nvfp4_moe_kernel(
-        moe_quant_config=method.moe_quant_config, moe_config=method.moe, experts_cls=method.experts_cls,
-        backend=method.nvfp4_backend, routing_tables=layer._expert_routing_tables(), **extra)
-    method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+    _moe_kernel(method, layer, make_nvfp4_moe_kernel, backend=method.nvfp4_backend)
 
 
 def _mxfp4_moe(method, layer: torch.nn.Module) -> None:
     """gpt-oss's MXFP4 MoE: processing leaves the experts' weights, scales and biases in the
     backend's layout as parameters (cached), then builds the modular kernel over them (made here
     per engine, with its quant config, as vLLM's processing ends)."""
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import make_mxfp4_moe_kernel
+    _moe_kernel(method, layer, make_mxfp4_moe_kernel, mxfp4_backend=method.mxfp4_backend)
+
+
+def _moe_kernel(method, layer: torch.nn.Module, make: Callable, **backend) -> None:
+    """How an MoE method's processing ends, over its processed tensors: its quant config, then
+    the modular kernel `make` builds (given the layer where that vLLM takes it), whose experts
+    finish their own processing. Nothing where the method has no quant config or experts."""
     import inspect
 
-    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import make_mxfp4_moe_kernel
     method.moe_quant_config = method.get_fused_moe_quant_config(layer)
     if method.moe_quant_config is None or method.experts_cls is None:
         return
-    extra = {"layer": layer} if "layer" in inspect.signature(make_mxfp4_moe_kernel).parameters else {}
-    method.moe_kernel = make_mxfp4_moe_kernel(
-        moe_quant_config=method.moe_quant_config, moe_config=method.moe, mxfp4_backend=method.mxfp4_backend,
-        experts_cls=method.experts_cls, routing_tables=layer._expert_routing_tables(), **extra)
+    extra = {"layer": layer} if "layer" in inspect.signature(make).parameters else {}
+    method.moe_kernel = make(moe_quant_config=method.moe_quant_config, moe_config=method.moe,
+                             experts_cls=method.experts_cls, routing_tables=layer._expert_routing_tables(),
+                             **backend, **extra)
     method.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
 
