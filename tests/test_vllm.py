@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from probe import ask, evictions, status, wait_until
+import engine_server
 
 from devtools import synth
 from devtools.harness import Daemon, free_port, write_config
@@ -38,7 +39,7 @@ else:
     vllm = pytest.importorskip("vllm")
 
 ENGINE = Path(__file__).with_name("vllm_engine.py")
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}     # the engines size their KV cache (vllm_engine.py)
 # CPU attention needs head_dim >= 32; vocab 1000 is padded to 1024 by vLLM (and by the layout).
 SHAPES = {
     "llama": synth.Shape(hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32,
@@ -100,12 +101,27 @@ def run_engine(log: Path, model: Path, tp: int = 1, load_format: str = "auto", e
     out = log.with_suffix(".json")
     args = {"model": str(model), "tp": tp, "load_format": load_format, "extra": extra or {}, "dtype": dtype,
             "out": str(out), **more}
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, str(ENGINE), json.dumps(args)], stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, **ENV, **(env or {})}, timeout=600)
+    rc = start_engine(args, log, env).wait(600)
     text = log.read_text()
-    assert (proc.returncode == 0) == ok, f"engine exited {proc.returncode}; log:\n{text[-6000:]}"
+    assert (rc == 0) == ok, f"engine exited {rc}; log:\n{text[-6000:]}"
     return (json.loads(out.read_text()) if ok else None), text
+
+
+SERVER: list[engine_server.Engines] = []     # the module's engine server (`engines`)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engines(tmp_path_factory):
+    """One process that imported vLLM, forking every engine of this module (tests/vllm_engine.py)."""
+    SERVER.append(engine_server.Engines(tmp_path_factory.mktemp("engines"), {**os.environ, **ENV}))
+    yield
+    SERVER.pop().close()
+
+
+def start_engine(args: dict, log: Path, env: dict | None = None) -> engine_server.Started:
+    """`python tests/vllm_engine.py ARGS` with output to `log` and `env` added to ours, forked by
+    the module's engine server."""
+    return SERVER[0].start(args, {**os.environ, **ENV, **(env or {})}, log)
 
 
 @pytest.fixture(scope="module")
@@ -376,11 +392,9 @@ def run_data_parallel(work: Path, tag: str, model: Path, load_format: str = "aut
         out, log = work / f"{tag}-dp{rank}.json", work / f"{tag}-dp{rank}.log"
         args = {"model": str(model), "tp": tp, "load_format": load_format, "extra": extra or {}, "dtype": "bfloat16",
                 "out": str(out), "engine": engine or {}}
-        env = {**os.environ, **ENV, **PLUGINS, "VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": str(rank),
+        env = {**PLUGINS, "VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": str(rank),
                "VLLM_DP_SIZE": "2", "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(port)}
-        with open(log, "w") as f:
-            procs.append((subprocess.Popen([sys.executable, str(ENGINE), json.dumps(args)], stdout=f,
-                                           stderr=subprocess.STDOUT, env=env), out, log))
+        procs.append((start_engine(args, log, env), out, log))
     reports = []
     for proc, out, log in procs:
         rc = proc.wait(600)
@@ -582,7 +596,8 @@ def test_openai_api_server_serves_from_the_cache(work, checkpoints, reference, c
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoints["llama"]),
          "--load-format", "fast_start", "--model-loader-extra-config",
          json.dumps({"socket_dir": str(cache), "fallback": False}), "--skip-tokenizer-init",
-         "--max-model-len", "256", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)],
+         "--max-model-len", "256", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20),
+         "--host", "127.0.0.1", "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENV})
     try:
         url = f"http://127.0.0.1:{port}"
@@ -963,12 +978,10 @@ def test_two_engines_generating_at_once_from_one_cache_each_use_their_own_worksp
         out = work / f"fs-pair-{i}.json"
         args = {"model": str(path), "tp": 1, "load_format": "fast_start", "out": str(out),
                 "extra": {"socket_dir": str(fp4_cache), "fallback": False}, "dtype": "bfloat16"}
-        log = open(work / f"fs-pair-{i}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(ENGINE), json.dumps(args)], stdout=log,
-                                       stderr=subprocess.STDOUT, env={**os.environ, **ENV, **PLUGINS}), out, log))
+        log = work / f"fs-pair-{i}.log"
+        procs.append((start_engine(args, log, PLUGINS), out, log))
     for proc, out, log in procs:
-        assert proc.wait(timeout=600) == 0, Path(log.name).read_text()[-4000:]
-        log.close()
+        assert proc.wait(600) == 0, log.read_text()[-4000:]
         got = json.loads(out.read_text())
         assert got["tokens"] == fp4_reference["ct-w4a16"]["tokens"]
         assert got["ranks"][0]["source"] == "cache" and got["ranks"][0]["attrs_in_arena"] == []

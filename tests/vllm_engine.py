@@ -12,20 +12,35 @@ and the greedy tokens for fixed prompts. `"engine"`: more of `LLM`'s arguments (
 `enable_expert_parallel`; with a `speculative_config` the draft model is reported too, as
 `draft`). With `"reload": true`, vLLM's `reload_weights` then
 runs and the tokens and the report are taken again (`reloaded`).
+
+    python vllm_engine.py --serve SOCKET
+
+imports vLLM once and forks one engine per request on SOCKET (engine_server.py is the client):
+the tests start dozens of engines, and a fresh interpreter spends most of an engine's start
+importing torch and vLLM. The server holds one thread (it checks), so each fork is a clean copy
+of an interpreter that has imported and run nothing else; vLLM's own workers are still spawned.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import json
 import os
+import signal
+import socket
 import sys
+import traceback
 
 import torch
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")    # apply_model sends a function
+DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}    # apply_model sends a function
+for _key, _value in DEFAULTS.items():
+    os.environ.setdefault(_key, _value)
+# The KV cache each rank allocates (and the report digests): room for far more than the 256
+# tokens these models need. VLLM_CPU_KVCACHE_SPACE (whole GiB) would override it.
+KV_CACHE_BYTES = 64 << 20
 
 from vllm import LLM, SamplingParams
 from vllm.model_executor.model_loader import base_loader, get_model_loader
@@ -36,7 +51,7 @@ PROMPTS = [[1, 17, 230, 45, 901, 3], [1, 500, 501, 502], [1, 7]]
 
 def digest(t: torch.Tensor) -> str:
     flat = t.detach().cpu().contiguous().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()[:24] + f":{t.dtype}{tuple(t.shape)}"
+    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()[:24] + f":{t.dtype}{tuple(t.shape)}"
 
 
 def arenas() -> list[tuple[int, int]]:
@@ -127,7 +142,7 @@ def main() -> None:
               pipeline_parallel_size=args.get("pp", 1), quantization=args.get("quantization"),
               model_loader_extra_config=args.get("extra") or {}, dtype=args.get("dtype", "bfloat16"),
               skip_tokenizer_init=True, max_model_len=256, enforce_eager=True, seed=0,
-              hf_overrides=args.get("hf_overrides") or {}, **args.get("engine", {}))
+              kv_cache_memory_bytes=KV_CACHE_BYTES, hf_overrides=args.get("hf_overrides") or {}, **args.get("engine", {}))
     params = SamplingParams(temperature=0.0, max_tokens=12, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     ranks = sorted(llm.apply_model(functools.partial(report, llm.llm_engine.vllm_config)), key=lambda r: r["rank"])
@@ -145,5 +160,69 @@ def main() -> None:
         json.dump(result, f)
 
 
+def serve(path: str) -> None:
+    """Accept requests (one JSON line: `args`, `env`, `log`) on the Unix socket `path`; for each,
+    a child forks the engine, answers `{"pid": N}`, waits for it and answers `{"rc": N}`."""
+    threads = os.listdir("/proc/self/task")
+    assert len(threads) == 1, f"the engine server must fork from one thread, has {len(threads)}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)       # reaps the children that wait for engines
+    sys.stdout.flush()
+    sys.stderr.flush()
+    while True:
+        conn, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            request = json.loads(conn.makefile().readline())
+            pid = os.fork()
+            if pid == 0:
+                conn.close()
+                engine(request)         # exits
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            _, status = os.waitpid(pid, 0)
+            conn.sendall(json.dumps({"rc": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            os._exit(0)
+        conn.close()
+
+
+def engine(request: dict) -> None:
+    """In a forked child: become what `python vllm_engine.py ARGS` with `env` would be, output to
+    `log`, run the engine and exit as that interpreter would, its exit handlers (vLLM's shutdown)
+    run, less the teardown of every module (seconds, with torch and vLLM loaded)."""
+    fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update({**DEFAULTS, **request["env"]})
+    sys.path[1:1] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.argv = [sys.argv[0], json.dumps(request["args"])]
+    code = 0
+    try:
+        main()
+    except SystemExit as e:     # as the interpreter reads it
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--serve":
+        serve(sys.argv[2])
+    else:
+        main()

@@ -1,0 +1,62 @@
+"""The client of `tests/vllm_engine.py --serve`: engines forked from one process that imported vLLM."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SERVER = Path(__file__).with_name("vllm_engine.py")
+
+
+class Engines:
+    """The client of `serve`: a server process started in `folder`, engines started through it."""
+
+    def __init__(self, folder, env: dict):
+        self.path = os.path.join(folder, "engines.sock")
+        self.log = open(os.path.join(folder, "engine-server.log"), "w")
+        # OpenBLAS (numpy's, OpenCV's) starts a thread pool at import unless told one thread: the
+        # server forks, and must hold no thread but its own (its engines get `env` as it is).
+        self.proc = subprocess.Popen([sys.executable, str(SERVER), "--serve", self.path], stdout=self.log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**env, "OPENBLAS_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 300
+        while not os.path.exists(self.path):
+            assert self.proc.poll() is None, open(self.log.name).read()[-4000:]
+            assert time.monotonic() < deadline, "the engine server did not listen in 300 s"
+            time.sleep(0.1)
+
+    def start(self, args: dict, env: dict, log) -> "Started":
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.path)
+        conn.sendall(json.dumps({"args": args, "env": env, "log": str(log)}).encode() + b"\n")
+        return Started(conn)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+
+
+class Started:
+    """One engine the server forked: `wait` its exit status as `subprocess.Popen.wait` would."""
+
+    def __init__(self, conn: socket.socket):
+        self.conn, self.replies = conn, conn.makefile()
+        self.pid = json.loads(self.replies.readline())["pid"]
+
+    def wait(self, timeout: float) -> int:
+        self.conn.settimeout(timeout)
+        try:
+            line = self.replies.readline()
+        except TimeoutError:
+            os.kill(self.pid, signal.SIGKILL)
+            raise subprocess.TimeoutExpired(f"engine {self.pid}", timeout) from None
+        finally:
+            self.conn.close()
+        assert line, f"the engine server lost engine {self.pid}"
+        return json.loads(line)["rc"]
