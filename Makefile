@@ -38,12 +38,17 @@ $(VENV)/.engines: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) -m devtools.demo
 
+# Test modules run in parallel, each whole in one worker (its module-wide daemons and engines are
+# set up once): most tests wait on processes of their own more than they compute.
+WORKERS ?= 2
+PYTEST  := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
+
 test: $(VENV)/.engines system-deps
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 # Between edits: every test but those marked slow (vLLM engines, containers, the Debian package).
 check: $(VENV)/.engines
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # The systemd tests boot a real systemd in a container (systemd-nspawn), one test runs the
 # control plane on Debian's own python3 with its python3-typer, python3-rich and python3-systemd

@@ -57,7 +57,7 @@ def build_tools_missing() -> str | None:
     return f"needs {', '.join(missing)} (`make system-deps` installs them as root)" if missing else None
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")      # test_runbook installs the same packages
 def debs(tmp_path_factory):
     why = available() or build_tools_missing()
     if why:     # in CI these tests must run: a skip there would hide a missing install step
