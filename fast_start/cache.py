@@ -40,6 +40,20 @@ MISS_REASONS = ("fingerprint", "files", "access", "memory", "evicted", "not_cach
 EVICTION_REASONS = ("manual", "release", "config change", "checkpoint changed")
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A configured model this GPU does not hold: its state (of MODEL_STATES but "cached"), why,
+    and since when (None: never filled nor asked for)."""
+    name: str
+    state: str
+    detail: str = ""
+    since: float | None = None
+
+    def __post_init__(self):
+        if self.state not in MODEL_STATES or self.state == "cached":
+            raise ValueError(f"{self.name}: {self.state!r} is not a pending state (one of {MODEL_STATES[1:]})")
+
+
 @dataclass
 class Entry:
     model: ModelConfig
@@ -84,7 +98,7 @@ class Cache:
         self.entries: dict[str, Entry] = {}
         self.leases = Leases(limits, on_process)        # under `lock`
         self.configured: tuple[str, ...] = ()          # models this GPU should hold
-        self.pending: dict[str, dict] = {}             # configured but not cached: state and detail
+        self.pending: dict[str, Pending] = {}          # configured but not cached
         self.former: dict[str, tuple[Fingerprint, str]] = {}   # a pending model's evicted fingerprint, why
         self.history = History()
         self.lock = threading.Lock()
@@ -121,9 +135,18 @@ class Cache:
                 self.metrics.zero("fast_start_evictions_total", model=name, reason=reason)
         self.on_change()
 
+    def state(self, model: str) -> str:
+        """A configured model's state: "cached", its pending state, or "missing"."""
+        with self.lock:
+            return self._state(model)
+
+    def _state(self, model: str) -> str:
+        pending = self.pending.get(model)
+        return "cached" if model in self.entries else pending.state if pending else "missing"
+
     def set_pending(self, model: str, state: str, detail: str = "") -> None:
         with self.lock:
-            self.pending[model] = {"name": model, "state": state, "detail": detail, "since": time.time()}
+            self.pending[model] = Pending(model, state, detail, time.time())
         self.on_change()
 
     # -- requests ------------------------------------------------------------------------------
@@ -242,8 +265,7 @@ class Cache:
             if fp == want:
                 changed = reason == "checkpoint changed"
                 why = "checkpoint changed since the fill" if changed else f"evicted ({reason})"
-                return protocol.Miss(f"{why}; {name} is {state['state']}"
-                                     + (f": {state['detail']}" if state["detail"] else ""),
+                return protocol.Miss(f"{why}; {name} is {state.state}" + (f": {state.detail}" if state.detail else ""),
                                      ["files"] if changed else [], name, "see fast-start status")
         if closest is None:
             return protocol.Miss("this daemon caches no model")
@@ -324,8 +346,7 @@ class Cache:
                                       "and run systemctl reload")
             names = [n for n in ([model] if model else self.configured) if n not in self.entries]
             for name in names:
-                self.pending[name] = {"name": name, "state": "filling", "detail": "asked by fast-start fill",
-                                      "since": time.time()}
+                self.pending[name] = Pending(name, "filling", "asked by fast-start fill", time.time())
         for name in names:
             self.on_fill(name)
         self.on_change()
@@ -338,7 +359,7 @@ class Cache:
             if entry is None:
                 return False
             if name in self.configured:
-                self.pending[name] = {"name": name, "state": pending, "detail": reason, "since": time.time()}
+                self.pending[name] = Pending(name, pending, reason, time.time())
                 self.former[name] = (entry.manifest.fingerprint, reason)
             leases = self.leases.on(name)
         self.history.add(Eviction(time.time(), name, reason, entry.nbytes, leases))
@@ -373,7 +394,7 @@ class Cache:
         admin = peer is None or peer.admin
         now = memory.of(self.device)
         with self.lock:
-            missing = [self.pending.get(n) or {"name": n, "state": "missing", "detail": "", "since": None}
+            missing = [asdict(self.pending.get(n) or Pending(n, "missing"))
                        for n in self.configured if n not in self.entries]
             return {"gpu": self.gpu, "state": "ready" if not missing else "incomplete", "device": self.device,
                     "pid": os.getpid(), "version": __version__, "started_at": self.started,
@@ -415,7 +436,7 @@ class Cache:
             gauges += [self.metrics.sample("fast_start_device_memory_bytes", value, kind=kind)
                        for kind, value in self._memory(now).items() if kind != "keep_free"]
             for name in self.configured:
-                state = "cached" if name in self.entries else (self.pending.get(name) or {}).get("state", "missing")
+                state = self._state(name)
                 gauges += [self.metrics.sample("fast_start_model_state", int(s == state), model=name, state=s)
                            for s in MODEL_STATES]
         gauges += [self.metrics.sample("fast_start_up", 1), self.metrics.sample("fast_start_build_info", 1,

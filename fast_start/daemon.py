@@ -491,7 +491,7 @@ class Daemon:
         with self.cache.lock:
             total = sum(e.nbytes for e in self.cache.entries.values())
             line = f"ready: {len(self.cache.entries)} model(s), {total / 2**30:.2f} GiB cached"
-            pending = [f"{name} {p['state']}" for name, p in self.cache.pending.items()]
+            pending = [f"{name} {p.state}" for name, p in self.cache.pending.items()]
         return line + (f"; {', '.join(pending)}" if pending else "")
 
     def shutdown(self, listener: socket.socket | None) -> None:

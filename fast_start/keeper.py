@@ -133,7 +133,7 @@ class Keeper:
             changed = written or watch.differs(entry.files, watch.identity(entry.model.path), gone_is_change=False)
             if changed:
                 self.stale(name, changed)
-        elif self.d.cache.pending.get(name, {}).get("state") in ("stale", "failed") \
+        elif self.d.cache.state(name) in ("stale", "failed") \
                 and self.d.cfg.daemon.refill_on_change:
             self.put("retry", name)
 
