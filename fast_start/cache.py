@@ -101,6 +101,7 @@ class Cache:
         self.pending: dict[str, Pending] = {}          # configured but not cached
         self.former: dict[str, tuple[Fingerprint, str]] = {}   # a pending model's evicted fingerprint, why
         self.history = History()
+        self.reloads, self.reload_error = 0, ""       # SIGHUPs handled; why the last one was refused
         self.lock = threading.Lock()
         self.metrics = Metrics(gpu)
 
@@ -134,6 +135,11 @@ class Cache:
             for reason in EVICTION_REASONS:
                 self.metrics.zero("fast_start_evictions_total", model=name, reason=reason)
         self.on_change()
+
+    def reloaded(self, error: str = "") -> None:
+        """A reload ended: applied, or refused for `error` (the running config kept)."""
+        with self.lock:
+            self.reloads, self.reload_error = self.reloads + 1, error
 
     def state(self, model: str) -> str:
         """A configured model's state: "cached", its pending state, or "missing"."""
@@ -398,6 +404,7 @@ class Cache:
                        for n in self.configured if n not in self.entries]
             return {"gpu": self.gpu, "state": "ready" if not missing else "incomplete", "device": self.device,
                     "pid": os.getpid(), "version": __version__, "started_at": self.started,
+                    "reloads": self.reloads, "reload_error": self.reload_error,
                     "models": [{"name": n, **({"path": e.model.path} if admin else {}),
                                 "rank": e.manifest.fingerprint.rank,
                                 "tensor_parallel_size": e.manifest.fingerprint.tensor_parallel_size,

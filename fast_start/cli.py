@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -723,6 +724,42 @@ def fill(gpu: int = typer.Option(..., "--gpu"), model: Optional[str] = typer.Opt
                 out.print(f"GPU {gpu}: filled {', '.join(b['filling'])}")
     emit(body, as_json, human)
     if body.get("not_filled"):
+        raise typer.Exit(1)
+
+
+@app.command()
+@fails
+def reload(gpu: int = typer.Option(..., "--gpu"), timeout: float = typer.Option(
+               300.0, "--timeout", help="seconds to wait for the daemon to have read its config"),
+           config: Path = CONFIG, as_json: bool = JSON):
+    """Make GPU N's daemon read its config again (SIGHUP) and wait until it has: new models queued
+    to fill, removed or changed ones dropped. What `systemctl reload fast-start@N` runs, so that a
+    `fast-start status` after it sees the new config. Exit 1 if the daemon kept the running config."""
+    directory = socket_dir(config)
+    before = ask(directory, gpu, protocol.Status()).body
+    try:
+        os.kill(before["pid"], signal.SIGHUP)
+    except PermissionError:
+        raise FastStartError(f"GPU {gpu}: no permission to signal the daemon (pid {before['pid']})",
+                             f"run it as root or as the daemon's user, or: systemctl reload fast-start@{gpu}") from None
+    deadline = time.monotonic() + timeout
+    while True:
+        time.sleep(0.1)
+        now = ask(directory, gpu, protocol.Status()).body
+        if now["pid"] != before["pid"]:
+            raise FastStartError(f"GPU {gpu}: the daemon restarted (pid {before['pid']}, now {now['pid']}) "
+                                 "while reloading", f"see journalctl -u fast-start@{gpu}")
+        if now["reloads"] > before["reloads"]:
+            break
+        if time.monotonic() > deadline:
+            raise FastStartError(f"GPU {gpu}: the daemon (pid {now['pid']}) did not finish reloading in {timeout:g} s",
+                                 f"see journalctl -u fast-start@{gpu}; a longer --timeout waits more")
+    body = {"gpu": gpu, "reloaded": not now["reload_error"], "error": now["reload_error"],
+            "configured": [m["name"] for m in now["models"]] + [m["name"] for m in now["missing"]]}
+    emit(body, as_json, lambda b: out.print(
+        f"GPU {gpu}: reloaded, {len(b['configured'])} model(s) configured" if b["reloaded"]
+        else f"GPU {gpu}: reload refused, the running config kept: {b['error']}"))
+    if now["reload_error"]:
         raise typer.Exit(1)
 
 

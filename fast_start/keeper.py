@@ -204,10 +204,12 @@ class Keeper:
                 cfg = d.resolve(cfg, workers)
         except FastStartError as e:
             log.error("reload failed, keeping the running config: %s", e)
+            d.cache.reloaded(str(e))
             notify.notify("READY=1\nSTATUS=ready (the last reload failed: see the log)")
             return
         for name in d.apply(cfg):
             self.retry[name] = time.monotonic()
         log.info("reloaded %s: %d model(s) for GPU %d", cfg.path, len(d.models), d.gpu)
+        d.cache.reloaded()
         restart = f"; restart to apply {', '.join(held)}" if held else ""
         notify.notify(f"READY=1\nSTATUS=ready: reloaded, {len(d.models)} model(s) configured{restart}")

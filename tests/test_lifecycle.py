@@ -88,6 +88,27 @@ def test_sighup_reloads_the_config_adding_changing_and_removing_models(tmp_path,
     assert status(d)["state"] == "ready" and len(status(d)["models"]) == 2
 
 
+def test_fast_start_reload_returns_once_the_daemon_has_read_the_config_and_fails_on_a_refused_one(
+        tmp_path, small, llama_tied, daemons):
+    """What the unit's ExecReload runs: a SIGHUP alone returns before the daemon reads the config,
+    so a `status` right after would still see the old one. `fast-start reload` returns after."""
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "fs.toml", run, [model("small", small)])
+    d = daemons(cfg)
+    assert status(d)["reloads"] == 0
+    write_config(tmp_path / "fs.toml", run, [model("small", small), model("new", llama_tied)])
+    r = runner.invoke(app, ["reload", "--gpu", "0", "--config", str(cfg), "--json"])
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout) == {"gpu": 0, "reloaded": True, "error": "", "configured": ["small", "new"]}
+    now = status(d)         # at once: the new model is configured (cached or being filled)
+    assert now["reloads"] == 1 and {m["name"] for m in now["models"] + now["missing"]} == {"small", "new"}
+    cli = shutil.copy(cfg, tmp_path / "cli.toml")           # where the CLI finds the socket
+    (tmp_path / "fs.toml").write_text("[daemon]\ncolour = 1\n")          # refused: the running config stays
+    r = runner.invoke(app, ["reload", "--gpu", "0", "--config", str(cli)])
+    assert r.exit_code == 1 and "reload refused, the running config kept" in r.stdout and "colour" in r.stdout
+    assert status(d)["reloads"] == 2 and d.proc.poll() is None
+
+
 def test_a_reload_names_the_settings_that_need_a_restart_and_applies_the_rest(tmp_path, small, daemons):
     """device cannot change under a running daemon: the reload says so at warning, keeps the
     running value and applies the rest, here engines of another uid (socket and folder opened)."""

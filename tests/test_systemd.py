@@ -309,11 +309,15 @@ def test_an_engine_of_another_user_fetches_under_the_shipped_unit(box):
 
 def test_systemctl_reload_adds_and_removes_models_without_a_restart(box):
     ready(box)
-    pid = box.show("fast-start@0", "MainPID")
+    pid, before = box.show("fast-start@0", "MainPID"), status(box)
     second = LLAMA.replace('"llama"', '"llama-v2"').replace('"test"', '"v2"')
     try:
         box.config.write_text(config_text(models=LLAMA + second))
         box.run("systemctl", "reload", "fast-start@0")
+        # The reload has been read when systemctl returns (ExecReload waits): llama-v2 is configured.
+        now = status(box)
+        assert {m["name"] for m in now["models"] + now["missing"]} == {"llama", "llama-v2"}, now
+        assert now["reloads"] == 1 + before["reloads"]
         wait_for(lambda: len(status(box).get("models", [])) == 2, 120, box)
         assert box.show("fast-start@0", "MainPID") == pid
         assert engine(box)["source"] == "cache"
