@@ -26,7 +26,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__, files, journal, protocol, watch
+from . import __version__, files, journal, protocol, trust, watch
 from . import config as configs
 from .config import ConfigError
 from .errors import CheckpointError, FastStartError, NoDaemon, Refused
@@ -737,11 +737,20 @@ def reload(gpu: int = typer.Option(..., "--gpu"), timeout: float = typer.Option(
     `fast-start status` after it sees the new config. Exit 1 if the daemon kept the running config."""
     directory = socket_dir(config)
     before = ask(directory, gpu, protocol.Status()).body
+    with connect(socket_path(directory, gpu), timeout=10.0) as conn:
+        pid = trust.peer(conn).pid      # as this process sees it: the status' pid is the daemon's view
+    if not pid:
+        raise FastStartError(f"GPU {gpu}: the daemon runs in a PID namespace this process cannot see",
+                             f"reload it from there (systemctl reload fast-start@{gpu})")
     try:
-        os.kill(before["pid"], signal.SIGHUP)
+        os.kill(pid, signal.SIGHUP)
     except PermissionError:
-        raise FastStartError(f"GPU {gpu}: no permission to signal the daemon (pid {before['pid']})",
+        raise FastStartError(f"GPU {gpu}: no permission to signal the daemon (pid {pid})",
                              f"run it as root or as the daemon's user, or: systemctl reload fast-start@{gpu}") from None
+    if "reloads" not in before:         # a daemon older than this command: it cannot say when it is done
+        print(f"warning: GPU {gpu}: the daemon (fast-start {before.get('version', '?')}) was sent SIGHUP but does "
+              f"not report reloads; restart it to run this version", file=sys.stderr)
+        return
     deadline = time.monotonic() + timeout
     while True:
         time.sleep(0.1)
