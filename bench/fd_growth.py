@@ -10,7 +10,6 @@ timers (bench/trace/sitecustomize.py) in the daemon and the engines, written und
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

@@ -40,10 +40,17 @@ QWEN3_8B = synth.Shape(architecture="Qwen3ForCausalLM", hidden_size=4096, num_la
 # The shape of Qwen3-14B: 10.5 GB as NVFP4 (linear layers 4 bits and a scale per 16, embeddings bf16).
 QWEN3_14B = synth.Shape(architecture="Qwen3ForCausalLM", hidden_size=5120, num_layers=40, num_heads=40, num_kv_heads=8,
                         head_dim=128, intermediate_size=17408, vocab_size=151936)
+# gpt-oss-shaped (its MXFP4 experts, attention with sinks and biases), small: hidden 1024, 8 experts.
+GPT_OSS = synth.Shape(architecture="GptOssForCausalLM", hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=4,
+                      head_dim=64, intermediate_size=1024, vocab_size=4096, num_experts=8)
 MODELS = {"qwen3-bf16": (DENSE, {}), "qwen3-fp8": (DENSE, {"fp8": "block"}), "moe-fp8": (MOE, {"fp8": "block"}),
           "qwen3-8b": (QWEN3_8B, {}), "qwen3-nvfp4": (DENSE, {"fp4": "ct-w4a16"}),
           "moe-nvfp4": (MOE, {"fp4": "ct-w4a16"}), "qwen3-nvfp4-a4": (DENSE, {"fp4": "ct-w4a4"}),
-          "qwen3-nvfp4-modelopt": (DENSE, {"fp4": "modelopt"}), "qwen3-14b-nvfp4": (QWEN3_14B, {"fp4": "ct-w4a16"})}
+          "qwen3-nvfp4-modelopt": (DENSE, {"fp4": "modelopt"}), "qwen3-14b-nvfp4": (QWEN3_14B, {"fp4": "ct-w4a16"}),
+          "gpt-oss-mxfp4": (GPT_OSS, {})}
+# Engine settings a model is served with, by its engines and its [[model]] alike (vLLM's default
+# MXFP4 MoE backend on Hopper, Triton, keeps its processed scales outside the layer: not cached).
+SERVED = {"gpt-oss-mxfp4": {"moe_backend": "marlin"}}
 # FAST_START_BENCH_PROFILE=1: each engine with vLLM's model loading under cProfile
 # (OUT/<engine>.profile.txt; the engine core then runs in-process).
 PROFILE = os.environ.get("FAST_START_BENCH_PROFILE") == "1"
@@ -79,6 +86,7 @@ def engine(name: str, model: Path, load_format: str = "auto", extra: dict | None
     start = time.monotonic()
     rc = run(name, ["-m", "bench.vllm_cuda_engine", json.dumps(
         {"model": str(model), "load_format": load_format, "extra": extra or {}, "out": str(out),
+         "engine": SERVED.get(model.name, {}),
          "profile": str(OUT / f"{name}.profile.txt") if profile else ""})], log)
     text = log.read_text(errors="replace")
     r = json.loads(out.read_text()) if out.exists() else {}
@@ -159,7 +167,7 @@ def daemon(models: dict[str, Path]):
     lines = ["[daemon]", f'socket_dir = "{run_dir}"', 'device = "cuda"', f'worker_python = "{sys.executable}"']
     for name, path in models.items():
         lines += ["", "[[model]]", f'name = "{name}"', f'path = "{path}"', "gpus = [0]", 'layout = "vllm"',
-                  'engine_version = "auto"']
+                  'engine_version = "auto"', *(f'{k} = "{v}"' for k, v in SERVED.get(name, {}).items())]
     config = WORK / "fs.toml"
     config.write_text("\n".join(lines) + "\n")
     listen = WORK / "notify.sock"
@@ -191,7 +199,7 @@ def main() -> None:
         shape, quantized = MODELS[name]
         paths[name] = WORK / name
         if not (paths[name] / "config.json").exists():
-            big = shape.nbytes() > 2**30
+            big = shape in (QWEN3_8B, QWEN3_14B)
             synth.write_checkpoint(paths[name], shape, seed=7, files=4 if big else 1, reuse=big, **quantized)
     summary = {"vllm": vllm.__version__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
                "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "FAST_START_BENCH_"))}}

@@ -1,6 +1,7 @@
 """One vLLM engine on a GPU, for bench/vllm_cuda.py: writes what it loaded as JSON.
 
     python -m bench.vllm_cuda_engine '{"model": PATH, "load_format": "auto", "extra": {}, "out": FILE}'
+    ("engine": {...}: more keyword arguments of LLM(), e.g. {"moe_backend": "marlin"})
 
 Reports greedy tokens for fixed prompts, a digest of every parameter and buffer, the parameters
 whose memory lies inside PyTorch's CUDA allocator (`torch.cuda.memory_snapshot` segments: a
@@ -111,7 +112,7 @@ def main() -> None:
     llm = LLM(args["model"], load_format=args.get("load_format", "auto"),
               model_loader_extra_config=args.get("extra") or {}, dtype="bfloat16", skip_tokenizer_init=True,
               max_model_len=512, enforce_eager=True, gpu_memory_utilization=args.get("gpu_memory_utilization", 0.3),
-              seed=0, **({"enable_sleep_mode": True} if level else {}))
+              seed=0, **({"enable_sleep_mode": True} if level else {}), **args.get("engine", {}))
     llm_s = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=16, detokenize=False, logprobs=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)

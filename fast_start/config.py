@@ -70,6 +70,7 @@ class ModelConfig:
     python: str = ""                        # this model's worker interpreter; "" = worker_python
     pipeline_parallel_size: int = 1         # ranks are global: pp_rank * tensor_parallel_size + tp_rank
     kv_cache_dtype: str = "auto"            # vLLM: the engine's --kv-cache-dtype
+    moe_backend: str = "auto"               # vLLM: the engine's --moe-backend
     engine_env: tuple[str, ...] = ()        # vLLM: the engine's kernel-selecting VLLM_* variables
     data_parallel_size: int = 1             # an engine's data parallel size
     enable_expert_parallel: bool = False    # an engine's expert parallelism
@@ -278,7 +279,8 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
     for key, off in engines.ENGINE_KEYS.items():
         if getattr(m, key) != off and engine is None:
             bad(key, f"is {getattr(m, key)!r} with layout {m.layout!r}",
-                f"pipeline stages, data and expert parallelism are cached for {_by_engine()} only")
+                f"an engine's settings (pipeline stages, data and expert parallelism, its MoE backend) "
+                f"are cached for {_by_engine()} only")
     ranks = m.tensor_parallel_size * m.pipeline_parallel_size * m.data_parallel_size
     if m.rank_offset < 0 or m.rank_offset + len(m.gpus) > ranks:
         bad("rank_offset", f"{m.rank_offset} with {len(m.gpus)} GPUs serves ranks beyond {ranks - 1}",

@@ -97,6 +97,8 @@ def test_parse_bytes(text, total, want):
     ({"engine_env": ["CUDA_VISIBLE_DEVICES=0"]}, "is not NAME=VALUE with a kernel-selecting variable"),
     ({"engine_env": ["VLLM_USE_DEEP_GEMM"]}, "is not NAME=VALUE"),
     ({"quantization": "gptq"}, "vLLM quantization 'gptq' is not verified for caching"),
+    ({"moe_backend": "Marlin"}, "key 'moe_backend' is 'Marlin'"),
+    ({"moe_backend": "marlin", "layout": "hf"}, "key 'moe_backend' is 'marlin' with layout 'hf'"),
 ])
 def test_vllm_model_keys_are_checked(small, tmp_path, model, message):
     """A vLLM model's PP, DP and EP settings, ranks, kernel variables and quantization are refused with the fix."""
@@ -120,6 +122,17 @@ def test_vllm_spec_carries_pipeline_rank_and_kernel_variables(small, tmp_path, m
     assert (spec.rank, spec.pipeline_parallel_size) == (2, 2)
     assert json.loads(spec.engine_options) == {"env": {"VLLM_DISABLED_KERNELS": "X", "VLLM_USE_DEEP_GEMM": "0"},
                                                "kv_cache_dtype": "auto", "pp": 2}
+
+
+def test_a_chosen_moe_backend_enters_the_fingerprint_and_auto_leaves_it_as_before(small, tmp_path):
+    """`moe_backend` picks how vLLM lays out processed MoE weights: a model that names one is
+    fingerprinted with it; "auto" (the default) adds nothing, so caches filled before stay valid."""
+    from devtools.harness import write_config
+    cfg = configs.load(write_config(tmp_path / "fs.toml", tmp_path / "run", [
+        {"name": "auto", "path": str(small), "gpus": [0], "layout": "vllm"},
+        {"name": "marlin", "path": str(small), "gpus": [0], "layout": "vllm", "moe_backend": "marlin"}]))
+    auto, marlin = (json.loads(m.spec(0).engine_options) for m in cfg.models)
+    assert "moe_backend" not in auto and marlin == {**auto, "moe_backend": "marlin"}
 
 
 def test_vllm_spec_counts_slots_dp_rank_by_dp_rank_and_names_the_expert_placement(small, tmp_path):

@@ -101,7 +101,7 @@ def cache(work, checkpoints, fp8_checkpoints, reference):
     rank_offset = k of every two-rank model), filled by vLLM itself: the bf16 models, the
     block-FP8 ones, online per-channel FP8, Llama in two pipeline stages, and Qwen3-MoE with
     expert parallelism over two ranks in both placements, and over two data-parallel ranks; a
-    draft model for speculative decoding."""
+    draft model for speculative decoding; Llama filled with a chosen MoE backend."""
     run = work / "run"
     models = [(f"{name}-tp{tp}", checkpoints[name], tp, {}) for name, tp in CACHED]
     models += [(f"{name}-fp8-tp{tp}", fp8_checkpoints[name], tp, {}) for name, tp in FP8_CACHED]
@@ -111,7 +111,8 @@ def cache(work, checkpoints, fp8_checkpoints, reference):
                 {"enable_expert_parallel": True, "expert_placement_strategy": p}) for p in PLACEMENTS]
     models += [("qwen3-moe-dp2-ep", checkpoints["qwen3-moe"], 1,
                 {"data_parallel_size": 2, "enable_expert_parallel": True}),
-               ("llama-draft", checkpoints["draft"], 1, {})]
+               ("llama-draft", checkpoints["draft"], 1, {}),
+               ("llama-moe-backend", checkpoints["llama"], 1, {"moe_backend": "triton"})]
     daemons = []
     for node in (0, 1):
         entries = [vllm_model(name, path, [node], tensor_parallel_size=tp, rank_offset=node, **more)
@@ -328,10 +329,27 @@ def test_kernel_choices_the_fill_does_not_make_are_a_miss_naming_them(checkpoint
                         cache_config=CacheConfig(kv_cache_dtype_skip_layers=["0"]))
     with pytest.raises(CacheMiss) as miss:
         weight_spec(model, config)
-    for chosen in ("moe_backend='triton'", "linear_backend='triton'", "all2all_backend='deepep_low_latency'",
+    for chosen in ("linear_backend='triton'", "all2all_backend='deepep_low_latency'",
                    "kv_cache_dtype_skip_layers=['0']"):
         assert chosen in miss.value.what
+    assert "moe_backend" not in miss.value.what        # a [[model]]'s moe_backend: the next test
     assert miss.value.fix == "serve it without those options to load from the cache"
+
+
+def test_a_models_moe_backend_is_the_fills_and_an_engine_choosing_another_misses(work, checkpoints, reference,
+                                                                                cache):
+    """`moe_backend` in a [[model]]: its fill builds vLLM with that `--moe-backend` and its
+    fingerprint carries it. An engine choosing the same loads from the cache; one choosing another
+    misses, naming engine_options. (A dense model: vLLM's CPU build has one MoE backend, its own;
+    the H200 benchmark serves gpt-oss's MoE with `moe_backend = "marlin"`.)"""
+    options = {"socket_dir": str(cache), "fallback": False}
+    got, _ = run_engine(work / "moe-backend.log", checkpoints["llama"], 1, "fast_start", options,
+                        engine={"moe_backend": "triton"})
+    assert got["ranks"][0]["source"] == "cache"
+    assert_same_weights(got, reference["llama", 1])
+    _, log = run_engine(work / "moe-backend-miss.log", checkpoints["llama"], 1, "fast_start", options, ok=False,
+                        engine={"moe_backend": "cutlass"})
+    assert "CacheMiss" in log and "engine_options" in log
 
 
 @pytest.fixture

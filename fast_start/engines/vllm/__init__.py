@@ -31,13 +31,15 @@ class VllmEngine:
             rules.parse_env(model.engine_env, model.name)
         except QuantizationError as e:
             yield "engine_env", f"is {list(model.engine_env)}: {e.what}", e.fix
+        if not rules.BACKEND.fullmatch(model.moe_backend):
+            yield "moe_backend", f"is {model.moe_backend!r}", "use the name vLLM's --moe-backend takes, e.g. \"marlin\""
         if model.expert_placement_strategy not in rules.PLACEMENTS:
             yield ("expert_placement_strategy", f"is {model.expert_placement_strategy!r}",
                    f"use one of {', '.join(rules.PLACEMENTS)}")
 
     def options(self, model) -> str:
         env = {**os.environ, **rules.parse_env(model.engine_env, model.name)}
-        return rules.engine_options(env, model.kv_cache_dtype, model.pipeline_parallel_size)
+        return rules.engine_options(env, model.kv_cache_dtype, model.pipeline_parallel_size, model.moe_backend)
 
     def expert_parallel(self, model) -> str:
         return rules.expert_parallel(model.enable_expert_parallel, model.expert_placement_strategy,

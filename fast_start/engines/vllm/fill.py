@@ -61,9 +61,13 @@ def stage_for(device: str, quantization: str, model: torch.nn.Module) -> str:
         return "loaded"
     hook = vllm_preprocessed.has_hook()
     if quantization in FP4 and (layers := vllm_preprocessed.unfinished(model, hook)):
+        others = vllm_preprocessed.moe_backends(model, hook)
         raise FastStartError(f"neither vLLM {'' if hook else '(no pre-processed pass here) '}nor fast-start can "
                              f"finish {len(layers)} of this model's layers over processed weights "
-                             f"({', '.join(layers[:3])}): every engine would miss", "serve it without fast-start")
+                             f"({', '.join(layers[:3])}): every engine would miss",
+                             f"set moe_backend = \"{others[0]}\" in its [[model]] and --moe-backend {others[0]} in "
+                             "its engines (a backend fast-start finishes), or serve it without fast-start" if others
+                             else "serve it without fast-start")
     if hook or vllm_preprocessed.processed_without_hook(model):
         return "processed"
     return "loaded"
@@ -82,7 +86,8 @@ def apply_env(options: dict) -> None:
 def engine_config(spec: WeightSpec, options: dict):
     from vllm.engine.arg_utils import EngineArgs
     quantization = None if spec.quantization == "none" else spec.quantization
-    args = EngineArgs(model=spec.path, dtype=spec.dtype, quantization=quantization,
+    chosen = {"moe_backend": options["moe_backend"]} if "moe_backend" in options else {}
+    args = EngineArgs(**chosen, model=spec.path, dtype=spec.dtype, quantization=quantization,
                       tensor_parallel_size=spec.tensor_parallel_size,
                       pipeline_parallel_size=spec.pipeline_parallel_size,
                       data_parallel_size=spec.data_parallel_size,

@@ -436,7 +436,8 @@ def weight_spec(model_config, vllm_config, parallel=None) -> WeightSpec:
         raise CacheMiss(f"this model's TP size {tp} is not the engine's ({get_tp_group().world_size}): a draft's "
                         "own TP size is not cached", "run the draft at the target's TP size")
     rank = get_pp_group().rank_in_group * tp + get_tensor_model_parallel_rank()
-    options = vllm_rules.engine_options(os.environ, vllm_config.cache_config.cache_dtype, pp)
+    options = vllm_rules.engine_options(os.environ, vllm_config.cache_config.cache_dtype, pp,
+                                        getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", "auto"))
     dp = parallel.data_parallel_size
     experts = vllm_rules.expert_parallel(getattr(parallel, "enable_expert_parallel", False),
                                          getattr(parallel, "expert_placement_strategy", "linear"), tp, dp)
@@ -448,12 +449,14 @@ def weight_spec(model_config, vllm_config, parallel=None) -> WeightSpec:
 
 
 def _kernel_choices(vllm_config, parallel) -> list[str]:
-    """The engine's kernel options (vLLM ≥ 0.32) set away from their defaults: each picks how
-    `process_weights_after_loading` lays out weights (MoE and linear backends, the MoE all-to-all,
-    layers whose KV cache stays unquantized), which the fill, on vLLM's defaults, would not match."""
+    """The engine's kernel options set away from their defaults that the fill cannot be told: each
+    picks how `process_weights_after_loading` lays out weights (linear backends, the MoE all-to-all,
+    layers whose KV cache stays unquantized), which the fill, on vLLM's defaults, would not match.
+    The MoE backend is the model's `moe_backend`, in the fingerprint."""
     kernels = getattr(vllm_config, "kernel_config", None)
-    chosen = [f"{name}={value!r}" for name in ("moe_backend", "linear_backend")
-              if (value := getattr(kernels, name, "auto")) != "auto"]
+    chosen = []
+    if getattr(kernels, "linear_backend", "auto") != "auto":
+        chosen.append(f"linear_backend={kernels.linear_backend!r}")
     if getattr(kernels, "linear_backend_per_quant", None):
         chosen.append(f"linear_backend_per_quant={kernels.linear_backend_per_quant!r}")
     fields = getattr(type(parallel), "__dataclass_fields__", {})

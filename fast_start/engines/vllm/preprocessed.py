@@ -60,8 +60,6 @@ def _nvfp4_moe_marlin(method, layer: torch.nn.Module) -> None:
     scales as parameters and the global scales as tensors `KEPT` (both cached), then builds the
     modular kernel over them. Made here per engine: that kernel and its quant config (they hold
     the layer's tensors), and Marlin's workspace; Marlin takes no input scale."""
-    import inspect
-
     from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import make_nvfp4_moe_kernel
     from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_make_workspace_new
     for key in KEPT[type(method).__name__]:         # installed as buffers: attributes again, as vLLM left them
@@ -99,7 +97,8 @@ def _moe_kernel(method, layer: torch.nn.Module, make: Callable, **backend) -> No
 # MoE methods have no kernel object of their own: (method, backend) -> its finisher. Backends
 # whose processing keeps tensors outside the layer (Triton's precision configs) are not listed.
 MOE: dict[tuple[str, str], Callable] = {("CompressedTensorsW4A4Nvfp4MoEMethod", "MARLIN"): _nvfp4_moe_marlin,
-                                        ("GptOssMxfp4MoEMethod", "CPU"): _mxfp4_moe}
+                                        ("GptOssMxfp4MoEMethod", "CPU"): _mxfp4_moe,
+                                        ("GptOssMxfp4MoEMethod", "MARLIN"): _mxfp4_moe}
 # Tensors a method's processing leaves as plain attributes (vLLM 0.26) that its finisher reads:
 # the fill caches them as buffers (`kept`); the finisher makes them attributes again.
 KEPT = {"CompressedTensorsW4A4Nvfp4MoEMethod": ("w13_weight_scale_2", "w2_weight_scale_2")}
@@ -199,8 +198,7 @@ def finisher(module: torch.nn.Module, hook: bool) -> tuple[Callable[[torch.nn.Mo
         return None, "vllm"
     if not hook and names & set(AS_IS) and _device_type(module) == "cuda":
         return method.process_weights_after_loading, "as is"
-    backend = getattr(method, "nvfp4_backend", None) or getattr(method, "mxfp4_backend", None)
-    moe = MOE.get((type(method).__name__, getattr(backend, "name", "")))
+    moe = MOE.get((type(method).__name__, _backend(method)))
     if moe is not None:
         return functools.partial(moe, method), "kernel"
     outer = [o for o in (method, getattr(module, "scheme", None)) if o is not None]
@@ -215,9 +213,30 @@ def finisher(module: torch.nn.Module, hook: bool) -> tuple[Callable[[torch.nn.Mo
 
 
 def unfinished(model: torch.nn.Module, hook: bool) -> list[str]:
-    """"layer (method)" for each quantized layer nothing here can finish over processed weights."""
-    return [f"{name} ({type(m.quant_method).__name__})" for name, m in model.named_modules()
-            if finisher(m, hook)[1] == "unknown"]
+    """"layer (method)", or "layer (method on backend)" for an MoE method, for each quantized layer
+    nothing here can finish over processed weights."""
+    return [f"{name} ({type(m.quant_method).__name__}{_on_backend(m.quant_method)})"
+            for name, m in model.named_modules() if finisher(m, hook)[1] == "unknown"]
+
+
+def _backend(method) -> str:
+    """An FP4 MoE method's backend as vLLM names it ("MARLIN"); "" for other methods."""
+    backend = getattr(method, "nvfp4_backend", None) or getattr(method, "mxfp4_backend", None)
+    return getattr(backend, "name", "")
+
+
+def _on_backend(method) -> str:
+    return f" on {_backend(method)}" if _backend(method) else ""
+
+
+def moe_backends(model: torch.nn.Module, hook: bool) -> list[str]:
+    """The MoE backends (as `--moe-backend` names them) fast-start finishes for every unfinished
+    MoE method of `model`; [] where there are none, or no such layer. The CPU's backend is vLLM's
+    only choice there, not an option."""
+    methods = {type(m.quant_method).__name__ for m in model.modules()
+               if getattr(m, "quant_method", None) is not None and finisher(m, hook)[1] == "unknown"}
+    known = [{b.lower() for m, b in MOE if m == method and b != "CPU"} for method in methods]
+    return sorted(set.intersection(*known)) if known else []
 
 
 def processed_without_hook(model: torch.nn.Module) -> bool:

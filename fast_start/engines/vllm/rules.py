@@ -5,12 +5,14 @@ plugin both compute the fingerprint's `engine_options` with it (so they agree by
 
 The bytes vLLM holds after `process_weights_after_loading` depend on the kernels it chose at
 construction, and so on the environment variables that steer that choice. `KERNEL_ENV` lists
-them; their values where set, the KV-cache dtype and the pipeline layout go into the fingerprint.
+them; their values where set, the KV-cache dtype, the pipeline layout and the MoE backend where one
+is chosen (`moe_backend`, vLLM's `--moe-backend`) go into the fingerprint.
 The kernel plan recorded at fill (`state.kernel_plan`) catches whatever this list misses.
 """
 from __future__ import annotations
 
 import json
+import re
 from typing import NamedTuple
 
 from ...errors import QuantizationError
@@ -90,10 +92,16 @@ def expert_parallel(enabled: bool, placement: str, tensor_parallel_size: int, da
     return placement if enabled and tensor_parallel_size * data_parallel_size > 1 else ""
 
 
-def engine_options(environ: dict[str, str], kv_cache_dtype: str, pipeline_parallel_size: int) -> str:
-    """The fingerprint's `engine_options`: canonical JSON of what steers vLLM's processed bytes."""
+BACKEND = re.compile(r"[a-z][a-z0-9_]*")      # how vLLM names its MoE backends ("auto", "marlin")
+
+
+def engine_options(environ: dict[str, str], kv_cache_dtype: str, pipeline_parallel_size: int,
+                   moe_backend: str = "auto") -> str:
+    """The fingerprint's `engine_options`: canonical JSON of what steers vLLM's processed bytes.
+    The MoE backend appears only where it is chosen: an "auto" model's fingerprint is as before."""
     env = {k: environ[k] for k in KERNEL_ENV if k in environ}
-    return json.dumps({"env": env, "kv_cache_dtype": kv_cache_dtype, "pp": pipeline_parallel_size},
+    chosen = {} if moe_backend == "auto" else {"moe_backend": moe_backend}
+    return json.dumps({"env": env, "kv_cache_dtype": kv_cache_dtype, "pp": pipeline_parallel_size, **chosen},
                       sort_keys=True, separators=(",", ":"))
 
 
