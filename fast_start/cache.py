@@ -21,11 +21,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from . import __version__, memory, protocol, table, trust, watch
+from . import __version__, memory, protocol, reports, table, trust, watch
 from .config import ModelConfig
 from .fingerprint import Fingerprint
-from .history import Eviction, History
-from .leases import Lease, Leases, Limits
+from .history import History
+from .leases import Leases, Limits
 from .manifest import Manifest
 from .metrics import Metrics
 from .trust import Peer
@@ -177,9 +177,9 @@ class Cache:
                 return _no(protocol.Error(f"uid {peer.uid} may not fill: that needs root, the daemon's user or a "
                                           "member of admin_groups", "run fast-start fill as one of them"))
             return _no(self.fill_request(msg.model))
-        body = {"status": self.status, "fingerprints": self.fingerprints, "evictions": self.eviction_list,
-                "metrics": self.metric_samples}[msg.kind]
-        return _no(protocol.Report(body(peer)))
+        report = {"status": self.status, "fingerprints": self.fingerprints, "evictions": self.eviction_list,
+                  "metrics": self.metric_samples}[msg.kind]
+        return _no(protocol.Report(reports.body(report(peer))))
 
     def acquire(self, msg: protocol.Acquire, peer: Peer):
         """A lease and the reply that carries the model's fds: its manifest as the tensor table
@@ -298,7 +298,7 @@ class Cache:
                              f"{entry.model.path} ({other})", ["files"], entry.model.name,
                              "load the model from the folder the daemon's [[model]] path names")
 
-    def _sent(self, entry: Entry, lease: Lease, keep: bool, sent: bool) -> None:
+    def _sent(self, entry: Entry, lease: reports.Lease, keep: bool, sent: bool) -> None:
         """A reply carrying `entry`'s fds is out, or failed: a lease made for it ends unless kept
         (a copy-mode lease ends here, and once its reply is out `on_release` applies as for a
         release)."""
@@ -331,7 +331,7 @@ class Cache:
         log.info("lease %d on %s released by pid %d uid %d", lease_id, lease.model, peer.pid, peer.uid)
         if evict:
             self.evict(lease.model, "release")
-        return protocol.Report({"released": lease_id, "on_release": self.on_release})
+        return protocol.Report(reports.body(reports.Released(lease_id, self.on_release)))
 
     def evict_request(self, model: str):
         with self.lock:
@@ -341,7 +341,7 @@ class Cache:
             names = [model] if model else list(self.entries)
         for name in names:
             self.evict(name, "manual")
-        return protocol.Report({"evicted": names})
+        return protocol.Report(reports.body(reports.Evicted(names)))
 
     def fill_request(self, model: str):
         """Queue a fill of `model` (or of every configured model not cached) with the keeper."""
@@ -356,7 +356,7 @@ class Cache:
         for name in names:
             self.on_fill(name)
         self.on_change()
-        return protocol.Report({"filling": names, "cached": [n for n in self.configured if n not in names]})
+        return protocol.Report(reports.body(reports.Filling(names, [n for n in self.configured if n not in names])))
 
     def evict(self, name: str, reason: str, pending: str = "evicted") -> bool:
         """Stop serving `name`; its fds close once no reply carries them. False if it was not cached."""
@@ -368,7 +368,7 @@ class Cache:
                 self.pending[name] = Pending(name, pending, reason, time.time())
                 self.former[name] = (entry.manifest.fingerprint, reason)
             leases = self.leases.on(name)
-        self.history.add(Eviction(time.time(), name, reason, entry.nbytes, leases))
+        self.history.add(reports.Eviction(time.time(), name, reason, entry.nbytes, leases))
         log.info("evicted %s (%s; %.2f GiB, %d lease(s) held then)", name, reason, entry.nbytes / 2**30, leases)
         self.metrics.inc("fast_start_evictions_total", model=name, reason=reason)
         self._retire(entry)
@@ -377,7 +377,7 @@ class Cache:
 
     def record(self, model: str, reason: str, nbytes: int = 0) -> None:
         """An eviction that happened outside the cache (a stored arena the config no longer matches)."""
-        self.history.add(Eviction(time.time(), model, reason, nbytes, 0))
+        self.history.add(reports.Eviction(time.time(), model, reason, nbytes, 0))
         self.metrics.inc("fast_start_evictions_total", model=model, reason=reason)
 
     def _retire(self, entry: Entry) -> None:
@@ -396,43 +396,40 @@ class Cache:
             entry.close()
 
     # -- reports -------------------------------------------------------------------------------
-    def status(self, peer: Peer | None = None) -> dict:
+    def status(self, peer: Peer | None = None) -> reports.Status:
         admin = peer is None or peer.admin
         now = memory.of(self.device)
         with self.lock:
-            missing = [asdict(self.pending.get(n) or Pending(n, "missing"))
+            missing = [reports.Missing(**asdict(self.pending.get(n) or Pending(n, "missing")))
                        for n in self.configured if n not in self.entries]
-            return {"gpu": self.gpu, "state": "ready" if not missing else "incomplete", "device": self.device,
-                    "pid": os.getpid(), "version": __version__, "started_at": self.started,
-                    "reloads": self.reloads, "reload_error": self.reload_error,
-                    "models": [{"name": n, **({"path": e.model.path} if admin else {}),
-                                "rank": e.manifest.fingerprint.rank,
-                                "tensor_parallel_size": e.manifest.fingerprint.tensor_parallel_size,
-                                "bytes": e.nbytes, "tensors": len(e.manifest.tensors),
-                                "fingerprint": e.manifest.fingerprint.digest()[:16],
-                                "fill_seconds": round(e.fill_seconds, 3), "filled_at": e.filled_at,
-                                "adopted": e.adopted,
-                                "arenas": len(e.manifest.arenas), **({"note": self.notes[n]} if n in self.notes else {})}
-                               for n, e in self.entries.items()],
-                    "memory": self._memory(now),
-                    "missing": missing,
-                    "leases": [asdict(l) for l in self.leases.held.values() if admin or l.uid == peer.uid]}
+            models = [reports.CachedModel(
+                name=n, rank=e.manifest.fingerprint.rank, tensor_parallel_size=e.manifest.fingerprint.tensor_parallel_size,
+                bytes=e.nbytes, tensors=len(e.manifest.tensors), fingerprint=e.manifest.fingerprint.digest()[:16],
+                fill_seconds=round(e.fill_seconds, 3), filled_at=e.filled_at, adopted=e.adopted,
+                arenas=len(e.manifest.arenas), path=e.model.path if admin else None, note=self.notes.get(n))
+                for n, e in self.entries.items()]
+            leases = [l for l in self.leases.held.values() if admin or l.uid == peer.uid]
+            return reports.Status(gpu=self.gpu, state="ready" if not missing else "incomplete", pid=os.getpid(),
+                                  models=models, missing=missing, leases=leases, device=self.device,
+                                  version=__version__, started_at=self.started, reloads=self.reloads,
+                                  reload_error=self.reload_error, memory=self._memory(now))
 
-    def _memory(self, now: memory.Memory | None) -> dict:
-        """The device's total and free memory and what this daemon holds of it (bytes; "total" and
-        "free" absent where they cannot be told), under the lock."""
-        held = sum(e.nbytes for e in self.entries.values())
-        return {"held": held, "keep_free": self.keep_free, **({"total": now.total, "free": now.free} if now else {})}
+    def _memory(self, now: memory.Memory | None) -> reports.Memory:
+        """The device's total and free memory (None where they cannot be told) and what this
+        daemon holds of it, under the lock."""
+        return reports.Memory(held=sum(e.nbytes for e in self.entries.values()), keep_free=self.keep_free,
+                              total=now.total if now else None, free=now.free if now else None)
 
-    def fingerprints(self, peer: Peer | None = None) -> dict:
+    def fingerprints(self, peer: Peer | None = None) -> reports.Fingerprints:
         admin = peer is None or peer.admin
         with self.lock:
-            models = [{"name": n, **({"path": e.model.path} if admin else {}), "digest": e.manifest.fingerprint.digest(),
-                       "bytes": e.nbytes, "fingerprint": e.manifest.fingerprint.to_dict(), "files": e.files}
+            models = [reports.ModelFingerprint(name=n, digest=e.manifest.fingerprint.digest(), bytes=e.nbytes,
+                                               fingerprint=e.manifest.fingerprint.to_dict(), files=e.files,
+                                               path=e.model.path if admin else None)
                       for n, e in self.entries.items()]
-            return {"gpu": self.gpu, "on_release": self.on_release, "models": models}
+            return reports.Fingerprints(self.gpu, self.on_release, models)
 
-    def metric_samples(self, peer: Peer | None = None) -> dict:
+    def metric_samples(self, peer: Peer | None = None) -> reports.Metrics:
         """The counters, and the gauges read off the cache now."""
         now = memory.of(self.device)
         with self.lock:
@@ -441,17 +438,18 @@ class Cache:
             gauges += [self.metrics.sample("fast_start_leases", self.leases.on(name), model=name)
                        for name in self.entries]
             gauges += [self.metrics.sample("fast_start_device_memory_bytes", value, kind=kind)
-                       for kind, value in self._memory(now).items() if kind != "keep_free"]
+                       for kind, value in self._memory(now)._asdict().items()
+                       if kind != "keep_free" and value is not None]
             for name in self.configured:
                 state = self._state(name)
                 gauges += [self.metrics.sample("fast_start_model_state", int(s == state), model=name, state=s)
                            for s in MODEL_STATES]
         gauges += [self.metrics.sample("fast_start_up", 1), self.metrics.sample("fast_start_build_info", 1,
                                                                                version=__version__)]
-        return {"gpu": self.gpu, "samples": self.metrics.samples() + gauges}
+        return reports.Metrics(self.gpu, self.metrics.samples() + gauges)
 
-    def eviction_list(self, peer: Peer | None = None) -> dict:
-        return {"gpu": self.gpu, "evictions": self.history.listed()}
+    def eviction_list(self, peer: Peer | None = None) -> reports.Evictions:
+        return reports.Evictions(self.gpu, self.history.listed())
 
 
 _PARTIAL_MISS = protocol.Miss("no cached model matches before the checkpoint's headers are compared", ["partial"],

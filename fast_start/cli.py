@@ -20,13 +20,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TypeVar
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import __version__, files, journal, protocol, trust, watch
+from . import __version__, files, journal, protocol, reports, trust, watch
 from . import config as configs
 from .config import ConfigError
 from .errors import CheckpointError, FastStartError, NoDaemon, Refused
@@ -44,6 +44,7 @@ out = Console(markup=False, width=None if sys.stdout.isatty() else 1000)
 CONFIG = typer.Option(configs.DEFAULT_PATH, "--config", help="config file (finds the socket directory)")
 GPU = typer.Option(None, "--gpu", help="GPU index; all daemons in the socket directory when left out")
 JSON = typer.Option(False, "--json", help="machine-readable output (errors too)")
+R = TypeVar("R")
 _json = [False]     # the global --json, given before the command
 
 
@@ -187,7 +188,7 @@ def _status_once(gpu: Optional[int], config: Path, as_json: bool) -> None:
     states = []
     for g in gpus(directory, gpu):
         try:
-            states.append(ask(directory, g, protocol.Status()).body)
+            states.append(ask_report(directory, g, protocol.Status(), reports.Status))
         except Refused:
             raise
         except NoDaemon:
@@ -201,36 +202,31 @@ def _status_once(gpu: Optional[int], config: Path, as_json: bool) -> None:
             except OSError as e:
                 raise NoDaemon(f"GPU {g}: no daemon answers and {state_file} is unreadable ({e.strerror or e})",
                                "run as root or the daemon's user") from None
-            except ValueError as e:
-                raise NoDaemon(f"GPU {g}: no daemon answers and {state_file} is damaged ({e})",
-                               f"remove it, then systemctl restart fast-start@{g}") from None
-            if not _alive(state["pid"]):
-                state.update(state="failed", error=state.get("error") or f"daemon pid {state['pid']} is not running")
+            except (ValueError, protocol.ProtocolError) as e:
+                raise NoDaemon(f"GPU {g}: no daemon answers and {state_file} is damaged "
+                               f"({getattr(e, 'what', None) or e})", f"remove it, then systemctl restart fast-start@{g}") from None
+            if not _alive(state.pid):
+                state = state._replace(state="failed", error=state.error or f"daemon pid {state.pid} is not running")
             states.append(state)
     if not states:
         raise NoDaemon(f"no fast-start daemon reachable in {directory}", "start one: systemctl start fast-start@N")
-    emit(states, as_json, _status_table)
-    if any(s["state"] != "ready" for s in states):
+    emit([reports.body(s) for s in states], as_json, lambda _: _status_table(states))
+    if any(s.state != "ready" for s in states):
         raise typer.Exit(1)
 
 
-def _state_of(obj) -> dict:
-    """A daemon's state file as `status` shows it; ValueError naming what does not fit."""
-    fields = {"gpu": int, "state": str, "pid": int, "time": (int, float), "progress": dict, "error": str}
-    if not isinstance(obj, dict):
-        raise ValueError(f"it holds a {type(obj).__name__}, not an object")
-    for key, kind in fields.items():
-        if key in ("gpu", "state", "pid") and key not in obj:
-            raise ValueError(f"it has no {key!r}")
-        if key in obj and (not isinstance(obj[key], kind) or isinstance(obj[key], bool)):
-            raise ValueError(f"its {key!r} is {str(obj[key])[:40]!r}")
-    if obj["pid"] <= 0:
-        raise ValueError(f"its pid is {obj['pid']}")
-    p = obj.get("progress")
-    if p is not None and not (isinstance(p.get("model"), str) and all(isinstance(p.get(k), (int, float))
-                                                                        for k in ("done", "total"))):
-        raise ValueError("its 'progress' lacks model, done or total")
-    return obj
+def ask_report(directory: str, gpu: int, msg, kind: type[R]) -> R:
+    """`ask`, its report's body read as the record `kind` (checked once, here)."""
+    return reports.read(kind, ask(directory, gpu, msg).body, f"GPU {gpu}'s {msg.kind} report")
+
+
+def _state_of(obj) -> reports.DaemonState:
+    """A daemon's state file as `status` shows it; ProtocolError or ValueError naming what does
+    not fit."""
+    state = reports.read(reports.DaemonState, obj, "it")
+    if state.pid <= 0:
+        raise ValueError(f"its pid is {state.pid}")
+    return state
 
 
 def _alive(pid: int) -> bool:
@@ -243,43 +239,42 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _status_table(states: list[dict]) -> None:
+def _status_table(states: list) -> None:
+    """`states`: each daemon's `reports.Status`, or its `reports.DaemonState` where its socket
+    does not answer (loading or failed)."""
     table = Table("GPU", "state", "model", "rank/TP", "GiB", "fingerprint", "fill s", "leases")
     for s in states:
-        if "models" not in s:       # from the state file: loading or failed, no socket yet
-            p = s.get("progress")
-            left = f", about {p['eta_s']} s left" if p and isinstance(p.get("eta_s"), int) else ""
-            detail = (f"{p['model']} {p['done'] / 2**30:.2f}/{p['total'] / 2**30:.2f} GiB{left}" if p
-                      else s.get("error", ""))
-            table.add_row(str(s["gpu"]), s["state"], detail, "", "", "", "", "")
+        if isinstance(s, reports.DaemonState):
+            p = s.progress
+            left = f", about {p.eta_s} s left" if p and p.eta_s is not None else ""
+            detail = f"{p.model} {p.done / 2**30:.2f}/{p.total / 2**30:.2f} GiB{left}" if p else s.error
+            table.add_row(str(s.gpu), s.state, detail, "", "", "", "", "")
             continue
-        leases = s["leases"]
-        for m in s["models"] or ([] if s["missing"] else [{}]):
-            held = [f"{l['pid']}:{l['mode']}" for l in leases if l["model"] == m.get("name")]
-            table.add_row(str(s["gpu"]), "ready", m.get("name", "(none)"),
-                          f"{m['rank']}/{m['tensor_parallel_size']}" if m else "",
-                          f"{m['bytes'] / 2**30:.2f}" if m else "", m.get("fingerprint", ""),
-                          "re-adopted" if m.get("adopted") else str(m.get("fill_seconds", "")), " ".join(held) or "-")
-        for m in s["missing"]:
-            table.add_row(str(s["gpu"]), m["state"], f"{m['name']}: {m['detail']}" if m["detail"] else m["name"],
-                          "", "", "", "", "")
+        for m in s.models or ([] if s.missing else [None]):
+            if m is None:
+                table.add_row(str(s.gpu), "ready", "(none)", "", "", "", "", "-")
+                continue
+            held = [f"{lease.pid}:{lease.mode}" for lease in s.leases if lease.model == m.name]
+            table.add_row(str(s.gpu), "ready", m.name, f"{m.rank}/{m.tensor_parallel_size}", f"{m.bytes / 2**30:.2f}",
+                          m.fingerprint, "re-adopted" if m.adopted else str(m.fill_seconds), " ".join(held) or "-")
+        for m in s.missing:
+            table.add_row(str(s.gpu), m.state, f"{m.name}: {m.detail}" if m.detail else m.name, "", "", "", "", "")
     out.print(table)
     for s in states:
-        if isinstance(s.get("started_at"), (int, float)):
-            up = _duration(time.time() - s["started_at"])
-            out.print(f"GPU {s['gpu']}: fast-start {s.get('version', '?')}, pid {s['pid']}, up {up}",
+        if s.started_at is not None:
+            out.print(f"GPU {s.gpu}: fast-start {s.version or '?'}, pid {s.pid}, up {_duration(time.time() - s.started_at)}",
                       highlight=False)
-        mem = s.get("memory") or {}
-        if "held" in mem:
+        mem = getattr(s, "memory", None)
+        if mem is not None:
             size = configs.format_bytes
-            known = f"{size(mem['total'])} total, " if "total" in mem else ""
-            free = f", {size(mem['free'])} free" if "free" in mem else " (free memory unknown: no NVML)"
-            where = f"GPU {s['gpu']}" + (" (host memory)" if s.get("device") == "cpu" else "")
-            out.print(f"{where}: {known}{size(mem['held'])} held by the cache{free}, "
-                      f"keep_free {size(mem['keep_free'])}", highlight=False)
-        for m in s.get("models") or []:
-            if m.get("note"):
-                out.print(f"GPU {s['gpu']} {m['name']}: {m['note']}", highlight=False)
+            known = f"{size(mem.total)} total, " if mem.total is not None else ""
+            free = f", {size(mem.free)} free" if mem.free is not None else " (free memory unknown: no NVML)"
+            where = f"GPU {s.gpu}" + (" (host memory)" if s.device == "cpu" else "")
+            out.print(f"{where}: {known}{size(mem.held)} held by the cache{free}, keep_free {size(mem.keep_free)}",
+                      highlight=False)
+        for m in getattr(s, "models", []):
+            if m.note:
+                out.print(f"GPU {s.gpu} {m.name}: {m.note}", highlight=False)
 
 
 def _duration(seconds: float) -> str:
@@ -296,13 +291,13 @@ def _duration(seconds: float) -> str:
 def fingerprints(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON):
     """The fingerprints each daemon holds, field by field."""
     directory = socket_dir(config)
-    data = [ask(directory, g, protocol.Fingerprints()).body for g in gpus(directory, gpu)]
+    data = [ask_report(directory, g, protocol.Fingerprints(), reports.Fingerprints) for g in gpus(directory, gpu)]
 
-    def human(data):
+    def human(_):
         for d in data:
-            for m in d["models"]:
-                _field_table(f"GPU {d['gpu']}: {m['name']} ({m['digest'][:16]})", m["fingerprint"])
-    emit(data, as_json, human)
+            for m in d.models:
+                _field_table(f"GPU {d.gpu}: {m.name} ({m.digest[:16]})", m.fingerprint)
+    emit([reports.body(d) for d in data], as_json, human)
 
 
 def _field_table(title: str, fields: dict) -> None:
@@ -389,17 +384,17 @@ def verify(name: str = typer.Option(..., "--model", help="a model's name in the 
     files = watch.identity(model)
     results = []
     for g in gpus(directory, gpu):
-        for m in ask(directory, g, protocol.Fingerprints()).body["models"]:
-            stored = Fingerprint.from_dict(m["fingerprint"])
-            same_folder = "path" in m and Path(m["path"]).resolve() == model.resolve()
+        for m in ask_report(directory, g, protocol.Fingerprints(), reports.Fingerprints).models:
+            stored = Fingerprint.from_dict(m.fingerprint)
+            same_folder = m.path is not None and Path(m.path).resolve() == model.resolve()
             if not same_folder and stored.checkpoint != headers:
                 continue
             spec = stored.spec(str(model))
             fields = list(stored.diff(fingerprint(spec)))
-            changed = watch.differs(m["files"], files)
+            changed = watch.differs(m.files, files)
             if changed:      # the fill read other files, or these changed since
                 fields.append("files")
-            result = {"gpu": g, "model": m["name"], "match": not fields, "fields": fields, "files": changed}
+            result = {"gpu": g, "model": m.name, "match": not fields, "fields": fields, "files": changed}
             if deep and not fields:
                 result["tensors_differing"] = _deep_compare(directory, g, stored, spec, files, config,
                                                             as_json or _json[0])
@@ -691,8 +686,8 @@ def evict(gpu: int = typer.Option(..., "--gpu"), model: Optional[str] = typer.Op
                               "name the model with --model NAME, or pass --all")
         if not typer.confirm(f"Evict every model cached on GPU {gpu}?", default=False):
             raise typer.Exit(1)
-    body = ask(socket_dir(config), gpu, protocol.Evict(model or "")).body
-    emit(body, as_json, lambda b: out.print(f"GPU {gpu}: evicted {', '.join(b['evicted']) or 'nothing'}"))
+    evicted = ask_report(socket_dir(config), gpu, protocol.Evict(model or ""), reports.Evicted).evicted
+    emit({"evicted": evicted}, as_json, lambda _: out.print(f"GPU {gpu}: evicted {', '.join(evicted) or 'nothing'}"))
 
 
 @app.command()
@@ -703,16 +698,17 @@ def fill(gpu: int = typer.Option(..., "--gpu"), model: Optional[str] = typer.Opt
     """Fill a configured model that is not cached (evicted, failed), or every such model, without
     restarting the unit. Exit 0 once filled (or queued, without --wait), 1 if it failed or is not done."""
     directory = socket_dir(config)
-    body = ask(directory, gpu, protocol.Fill(model or "")).body
-    if wait > 0 and body["filling"]:
+    asked = ask_report(directory, gpu, protocol.Fill(model or ""), reports.Filling)
+    body = reports.body(asked)
+    if wait > 0 and asked.filling:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             time.sleep(0.25)
-            status = ask(directory, gpu, protocol.Status()).body
-            left = {m["name"]: m for m in status["missing"] if m["name"] in body["filling"]}
-            if not left or any(m["state"] == "failed" for m in left.values()):
+            status = ask_report(directory, gpu, protocol.Status(), reports.Status)
+            left = [m for m in status.missing if m.name in asked.filling]
+            if not left or any(m.state == "failed" for m in left):
                 break
-        body["not_filled"] = [{"name": m["name"], "state": m["state"], "detail": m["detail"]} for m in left.values()]
+        body["not_filled"] = [{"name": m.name, "state": m.state, "detail": m.detail} for m in left]
 
     def human(b):
         out.print(f"GPU {gpu}: " + (f"filling {', '.join(b['filling'])}" if b["filling"] else "nothing to fill")
@@ -736,7 +732,7 @@ def reload(gpu: int = typer.Option(..., "--gpu"), timeout: float = typer.Option(
     to fill, removed or changed ones dropped. What `systemctl reload fast-start@N` runs, so that a
     `fast-start status` after it sees the new config. Exit 1 if the daemon kept the running config."""
     directory = socket_dir(config)
-    before = ask(directory, gpu, protocol.Status()).body
+    before = ask_report(directory, gpu, protocol.Status(), reports.Status)
     with connect(socket_path(directory, gpu), timeout=10.0) as conn:
         pid = trust.peer(conn).pid      # as this process sees it: the status' pid is the daemon's view
     if not pid:
@@ -747,28 +743,28 @@ def reload(gpu: int = typer.Option(..., "--gpu"), timeout: float = typer.Option(
     except PermissionError:
         raise FastStartError(f"GPU {gpu}: no permission to signal the daemon (pid {pid})",
                              f"run it as root or as the daemon's user, or: systemctl reload fast-start@{gpu}") from None
-    if "reloads" not in before:         # a daemon older than this command: it cannot say when it is done
-        print(f"warning: GPU {gpu}: the daemon (fast-start {before.get('version', '?')}) was sent SIGHUP but does "
+    if before.reloads is None:         # a daemon older than this command: it cannot say when it is done
+        print(f"warning: GPU {gpu}: the daemon (fast-start {before.version or '?'}) was sent SIGHUP but does "
               f"not report reloads; restart it to run this version", file=sys.stderr)
         return
     deadline = time.monotonic() + timeout
     while True:
         time.sleep(0.1)
-        now = ask(directory, gpu, protocol.Status()).body
-        if now["pid"] != before["pid"]:
-            raise FastStartError(f"GPU {gpu}: the daemon restarted (pid {before['pid']}, now {now['pid']}) "
+        now = ask_report(directory, gpu, protocol.Status(), reports.Status)
+        if now.pid != before.pid:
+            raise FastStartError(f"GPU {gpu}: the daemon restarted (pid {before.pid}, now {now.pid}) "
                                  "while reloading", f"see journalctl -u fast-start@{gpu}")
-        if now["reloads"] > before["reloads"]:
+        if now.reloads is not None and now.reloads > before.reloads:
             break
         if time.monotonic() > deadline:
-            raise FastStartError(f"GPU {gpu}: the daemon (pid {now['pid']}) did not finish reloading in {timeout:g} s",
+            raise FastStartError(f"GPU {gpu}: the daemon (pid {now.pid}) did not finish reloading in {timeout:g} s",
                                  f"see journalctl -u fast-start@{gpu}; a longer --timeout waits more")
-    body = {"gpu": gpu, "reloaded": not now["reload_error"], "error": now["reload_error"],
-            "configured": [m["name"] for m in now["models"]] + [m["name"] for m in now["missing"]]}
-    emit(body, as_json, lambda b: out.print(
-        f"GPU {gpu}: reloaded, {len(b['configured'])} model(s) configured" if b["reloaded"]
-        else f"GPU {gpu}: reload refused, the running config kept: {b['error']}"))
-    if now["reload_error"]:
+    configured = [m.name for m in now.models] + [m.name for m in now.missing]
+    body = {"gpu": gpu, "reloaded": not now.reload_error, "error": now.reload_error, "configured": configured}
+    emit(body, as_json, lambda _: out.print(
+        f"GPU {gpu}: reloaded, {len(configured)} model(s) configured" if not now.reload_error
+        else f"GPU {gpu}: reload refused, the running config kept: {now.reload_error}"))
+    if now.reload_error:
         raise typer.Exit(1)
 
 
@@ -778,7 +774,8 @@ def metrics(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSO
     """Counters and gauges of every daemon in Prometheus' text format (--json: the samples)."""
     from .metrics import render
     directory = socket_dir(config)
-    samples = [s for g in gpus(directory, gpu) for s in ask(directory, g, protocol.Metrics()).body["samples"]]
+    samples = [s for g in gpus(directory, gpu)
+               for s in ask_report(directory, g, protocol.Metrics(), reports.Metrics).samples]
     emit(samples, as_json, lambda s: sys.stdout.write(render(s)))
 
 
@@ -787,16 +784,16 @@ def metrics(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSO
 def evictions(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON):
     """Recent evictions with their reason (manual, release, ...)."""
     directory = socket_dir(config)
-    data = [ask(directory, g, protocol.Evictions()).body for g in gpus(directory, gpu)]
+    data = [ask_report(directory, g, protocol.Evictions(), reports.Evictions) for g in gpus(directory, gpu)]
 
-    def human(data):
+    def human(_):
         table = Table("GPU", "time", "model", "reason", "GiB", "leases then")
         for d in data:
-            for e in d["evictions"]:
-                table.add_row(str(d["gpu"]), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["time"])),
-                              e["model"], e["reason"], f"{e['bytes'] / 2**30:.2f}", str(e["leases"]))
+            for e in d.evictions:
+                table.add_row(str(d.gpu), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time)),
+                              e.model, e.reason, f"{e.bytes / 2**30:.2f}", str(e.leases))
         out.print(table)
-    emit(data, as_json, human)
+    emit([reports.body(d) for d in data], as_json, human)
 
 
 def main() -> None:

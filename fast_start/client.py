@@ -393,7 +393,10 @@ def fit_error(missing: list[str], unexpected: list[str], wrong: list[str], fix: 
 def cached(spec: WeightSpec, device: str | torch.device = "cpu", socket_dir: str | None = None,
            connect_timeout: float = 5.0) -> tuple[int, str]:
     """Bytes the daemon serving `device` holds for exactly `spec`'s fingerprint, and that daemon's
-    `on_release`; (0, "") if none does."""
+    `on_release`; (0, "") if none does. (Asked by vLLM's start-up memory check, not by a fetch:
+    `reports`, 2-3 ms of NamedTuples to import, is imported here.)"""
+    from . import reports
+
     digest = fingerprint(spec).digest()
     device_id = _device_id(torch.device(device))
     for path in _sockets(_socket_dir(socket_dir)):
@@ -401,10 +404,10 @@ def cached(spec: WeightSpec, device: str | torch.device = "cpu", socket_dir: str
             with connect(path, connect_timeout) as conn:
                 if request(conn, protocol.Hello(protocol.VERSION)).device != device_id:
                     continue
-                body = request(conn, protocol.Fingerprints()).body
+                held = reports.read(reports.Fingerprints, request(conn, protocol.Fingerprints()).body)
         except (FastStartError, OSError):
             continue
-        found = [m["bytes"] for m in body["models"] if m["digest"] == digest]
+        found = [m.bytes for m in held.models if m.digest == digest]
         if found:
-            return found[0], body.get("on_release", "")
+            return found[0], held.on_release
     return 0, ""

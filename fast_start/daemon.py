@@ -40,7 +40,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from . import __version__, fdstore, files, memory, metrics, notify, protocol, trust, watch
+from . import __version__, fdstore, files, memory, metrics, notify, protocol, reports, trust, watch
 from . import config as configs
 from .cache import Cache, Entry
 from .leases import Limits
@@ -209,9 +209,9 @@ class Daemon:
                               "raise memory_budget or serve fewer or smaller models on this GPU")
 
     def write_state(self, state: str, **extra) -> None:
-        body = {"gpu": self.gpu, "state": state, "pid": os.getpid(), "time": time.time(), "version": __version__,
-                "started_at": self.cache.started, **extra}
-        files.write_atomic(state_path(self.directory, self.gpu), json.dumps(body), 0o600)
+        record = reports.DaemonState(gpu=self.gpu, state=state, pid=os.getpid(), time=time.time(), version=__version__,
+                                     started_at=self.cache.started, **extra)
+        files.write_atomic(state_path(self.directory, self.gpu), json.dumps(reports.body(record)), 0o600)
 
     def device(self) -> str:
         return "cpu" if self.cfg.daemon.device == "cpu" else f"cuda:{self.gpu}"
@@ -269,8 +269,7 @@ class Daemon:
         text = f"filling {p.model} rank {p.rank}: {p.done / 2**30:.2f} / {p.total / 2**30:.2f} GiB{left}"
         if starting:
             notify.status(text)
-            self.write_state("loading", progress={"model": p.model, "rank": p.rank, "done": p.done, "total": p.total,
-                                                  **({"eta_s": eta} if eta is not None else {})})
+            self.write_state("loading", progress=reports.Progress(p.model, p.rank, p.done, p.total, eta))
         else:
             self.cache.set_pending(p.model, "filling", text)
 
@@ -421,7 +420,7 @@ class Daemon:
                 written = ""
             if path:
                 try:
-                    files.write_atomic(path, metrics.render(self.cache.metric_samples()["samples"]))
+                    files.write_atomic(path, metrics.render(self.cache.metric_samples().samples))
                     failing, written = "", path
                 except OSError as e:
                     if failing != path:         # once, not every METRICS_S

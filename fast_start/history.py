@@ -10,35 +10,14 @@ import collections
 import json
 import logging
 import threading
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import files
+from . import files, reports
+from .protocol import ProtocolError
+from .reports import Eviction
 
 log = logging.getLogger("fast_start.daemon")
 MAX_EVICTIONS = 200
-
-
-@dataclass(frozen=True)
-class Eviction:
-    """One eviction as `fast-start evictions` shows it and the history file keeps it."""
-    time: float
-    model: str
-    reason: str
-    bytes: int
-    leases: int
-
-    @classmethod
-    def from_json(cls, obj) -> "Eviction":
-        """An entry of the history file; ValueError naming what is wrong with it."""
-        want = cls.__annotations__         # field -> type name
-        if not isinstance(obj, dict) or set(obj) != set(want):
-            raise ValueError(f"an entry has fields {sorted(obj) if isinstance(obj, dict) else type(obj).__name__}")
-        for name, kind in want.items():
-            ok = isinstance(obj[name], (int, float) if kind == "float" else int if kind == "int" else str)
-            if not ok or isinstance(obj[name], bool):
-                raise ValueError(f"an entry's {name} is {obj[name]!r}, not {kind}")
-        return cls(**obj)
 
 
 class History:
@@ -62,9 +41,9 @@ class History:
         kept, damaged = [], []
         for each in saved if isinstance(saved, list) else []:
             try:
-                kept.append(Eviction.from_json(each))
-            except ValueError as e:
-                damaged.append(str(e))
+                kept.append(reports.read(Eviction, each, "an entry"))
+            except ProtocolError as e:
+                damaged.append(e.what)
         if damaged or not isinstance(saved, list):
             log.warning("the eviction history %s is damaged (%s); keeping the %d readable entries", path,
                         damaged[0] if damaged else "not a list", len(kept))
@@ -75,7 +54,7 @@ class History:
         """Record `eviction` and rewrite the file."""
         with self.lock:
             self.evictions.append(eviction)
-            snapshot = [asdict(e) for e in self.evictions]
+            snapshot = [e._asdict() for e in self.evictions]
         if self.path is None:
             return
         try:
@@ -83,6 +62,6 @@ class History:
         except OSError as e:
             log.warning("cannot write the eviction history %s: %s", self.path, e.strerror or e)
 
-    def listed(self) -> list[dict]:
+    def listed(self) -> list[Eviction]:
         with self.lock:
-            return [asdict(e) for e in self.evictions]
+            return list(self.evictions)

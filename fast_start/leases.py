@@ -17,20 +17,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import protocol
+from .reports import Lease
 from .trust import Peer
 
 log = logging.getLogger("fast_start.daemon")
 MAX_LEASES_PER_PROCESS = 64
-
-
-@dataclass
-class Lease:
-    id: int
-    pid: int
-    uid: int
-    model: str
-    mode: str
-    since: float
 
 
 @dataclass
