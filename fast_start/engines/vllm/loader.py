@@ -57,7 +57,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from . import attention as vllm_attention, rules as vllm_rules, state as vllm_state
+from . import attention as vllm_attention, compat, rules as vllm_rules, state as vllm_state
 from . import ENGINE
 from .install import prepare
 from .record import FillRecord
@@ -78,9 +78,9 @@ def register() -> None:
     global _registered
     if not _registered:
         register_model_loader(LOAD_FORMAT)(FastStartLoader)
-        before_32 = not hasattr(BaseModelLoader, "get_external_weight_memory")
-        _wrap_runners(count=before_32)
-        _wrap_startup_check(before_32)
+        counts_itself = not compat.current().COUNTS_MAPPED_WEIGHTS
+        _wrap_runners(count=counts_itself)
+        _wrap_startup_check(counts_itself)
         _registered = True
 
 
@@ -88,15 +88,15 @@ _excluded: dict = {}        # what the start-up check left out: {"bytes", "free"
 _starting: list = []        # the vLLM workers inside `init_device`, innermost last
 
 
-def _wrap_startup_check(before_32: bool) -> None:
+def _wrap_startup_check(counts_itself: bool) -> None:
     """vLLM checks at start-up, before any loader runs, that the GPU's free memory holds
     `gpu_memory_utilization` of it (`request_memory`), counting the daemon's arenas as used; the
     snapshot it takes there is also what its profiler later measures the engine's own memory
     against. Two cases need the daemon's bytes for this rank counted otherwise:
 
     - A zero_copy engine maps them: they are its weights. vLLM 0.32 excludes them from the check
-      itself (`get_external_weight_memory`); before 0.32 they are counted as free for the check
-      here, so an engine at 0.9 starts beside a cache of more than a tenth of the GPU. The KV
+      itself (`get_external_weight_memory`); before 0.32 (`counts_itself`: `compat`'s
+      `COUNTS_MAPPED_WEIGHTS` is False) they are counted as free for the check here, so an engine at 0.9 starts beside a cache of more than a tenth of the GPU. The KV
       cache is then sized as the default loader's on an empty GPU: the mapped bytes count as
       the model's memory (`_wrap_runners`). Should the load miss and fall back to disk, the
       check is made again without them (`_loading`).
@@ -123,12 +123,12 @@ def _wrap_startup_check(before_32: bool) -> None:
             _starting.remove(self)
 
     def request(snapshot, cache_config, *args, **kwargs):
-        how, held = _handover(_starting[-1].vllm_config, before_32) if _starting else ("", 0)
+        how, held = _handover(_starting[-1].vllm_config, counts_itself) if _starting else ("", 0)
         if how == "drop":
             _count_as_free(snapshot, held)
             log.info("fast-start: the daemon hands the %.2f GiB it holds for this rank over to its copy "
                      "(on_release = \"drop\"): vLLM's memory accounting counts them as free at start-up", held / 2**30)
-        elif how == "map" and before_32:
+        elif how == "map" and counts_itself:
             counted = copy.copy(snapshot)
             counted.free_memory = snapshot.free_memory + held
             requested = check(counted, cache_config, *args, **kwargs)

@@ -30,13 +30,11 @@ from collections.abc import Callable
 
 import torch
 
+from . import compat
 from ...errors import CacheMiss
 
 OUTER = frozenset({"CompressedTensorsLinearMethod", "CompressedTensorsW4A4Fp4", "ModelOptNvFp4LinearMethod",
                    "ModelOptNvFp4W4A16LinearMethod", "ModelOptLinearMethod"})
-# Methods whose pre-processed pass returns before their kernel's processing (ModelOpt's FP4 linear
-# method in vLLM 0.32): a kernel with per-process state (Marlin's workspace) would go without it.
-SKIPS_KERNEL = frozenset({"ModelOptLinearMethod"})
 
 
 def _marlin_linear(kernel, layer: torch.nn.Module) -> None:
@@ -57,12 +55,12 @@ KERNELS: dict[str, Callable] = {
 
 def _nvfp4_moe_marlin(method, layer: torch.nn.Module) -> None:
     """compressed-tensors' NVFP4 MoE on Marlin: processing leaves the repacked weights and block
-    scales as parameters and the global scales as tensors `KEPT` (both cached), then builds the
+    scales as parameters and the global scales as tensors (`KEPT` on vLLM 0.26; both cached), then builds the
     modular kernel over them. Made here per engine: that kernel and its quant config (they hold
     the layer's tensors), and Marlin's workspace; Marlin takes no input scale."""
     from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import make_nvfp4_moe_kernel
     from vllm.model_executor.layers.quantization.utils.marlin_utils import marlin_make_workspace_new
-    for key in KEPT[type(method).__name__]:         # installed as buffers: attributes again, as vLLM left them
+    for key in compat.current().KEPT.get(type(method).__name__, ()):   # installed as buffers: attributes again
         if key in layer._buffers:
             vars(layer)[key] = layer._buffers.pop(key)
     layer.workspace = marlin_make_workspace_new(layer.w13_weight.device, 4)
@@ -99,18 +97,17 @@ def _moe_kernel(method, layer: torch.nn.Module, make: Callable, **backend) -> No
 MOE: dict[tuple[str, str], Callable] = {("CompressedTensorsW4A4Nvfp4MoEMethod", "MARLIN"): _nvfp4_moe_marlin,
                                         ("GptOssMxfp4MoEMethod", "CPU"): _mxfp4_moe,
                                         ("GptOssMxfp4MoEMethod", "MARLIN"): _mxfp4_moe}
-# Tensors a method's processing leaves as plain attributes (vLLM 0.26) that its finisher reads:
-# the fill caches them as buffers (`kept`); the finisher makes them attributes again.
-KEPT = {"CompressedTensorsW4A4Nvfp4MoEMethod": ("w13_weight_scale_2", "w2_weight_scale_2")}
 
 
 @contextlib.contextmanager
 def kept(model: torch.nn.Module):
-    """Around the fill's taking of a processed model's tensors: the `KEPT` tensor attributes are
-    non-persistent buffers meanwhile, so that they are cached (and installed) with the buffers."""
+    """Around the fill's taking of a processed model's tensors: the tensor attributes this vLLM's
+    processing leaves (`compat`'s `KEPT`) are non-persistent buffers meanwhile, so that they are
+    cached (and installed) with the buffers; the finisher makes them attributes again."""
     moved = []
+    kept_by_method = compat.current().KEPT
     for module in model.modules():
-        for key in KEPT.get(type(getattr(module, "quant_method", None)).__name__, ()):
+        for key in kept_by_method.get(type(getattr(module, "quant_method", None)).__name__, ()):
             value = vars(module).get(key)
             if isinstance(value, torch.Tensor):
                 del vars(module)[key]
@@ -170,8 +167,7 @@ def _overrides(method, base: str) -> bool:
 
 def has_hook() -> bool:
     """Whether this vLLM can install processed weights (`weights_already_processed`, vLLM ≥ 0.30)."""
-    import vllm.model_executor.utils as utils
-    return hasattr(utils, "weights_already_processed")
+    return compat.current().PREPROCESSED_PASS
 
 
 def _names(obj) -> set[str]:
@@ -194,7 +190,7 @@ def finisher(module: torch.nn.Module, hook: bool) -> tuple[Callable[[torch.nn.Mo
     names = _names(method)
     if "BaseKVCacheMethod" in names and (not hook or _overrides(method, "BaseKVCacheMethod")):
         return _kv_scales, "as is"
-    if hook and getattr(method, "supports_pre_processed_weights", False) and not names & SKIPS_KERNEL:
+    if hook and getattr(method, "supports_pre_processed_weights", False) and not names & compat.current().SKIPS_KERNEL:
         return None, "vllm"
     if not hook and names & set(AS_IS) and _device_type(module) == "cuda":
         return method.process_weights_after_loading, "as is"
