@@ -44,7 +44,7 @@ WORKERS ?= 2
 PYTEST  := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
 
 test: $(VENV)/.engines system-deps
-	$(PYTEST)
+	$(PYTEST) --durations=12
 
 # Between edits: every test but those marked slow (vLLM engines, containers, the Debian package).
 check: $(VENV)/.engines
