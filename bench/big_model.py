@@ -6,7 +6,7 @@
 
 The GPU's used memory (every process counted, NVML) is sampled every 20 ms in this process;
 a peak is reported above what was used just before the step. The model is Qwen3-8B-shaped,
-bf16 (16.4 GB), filled by vLLM itself (layout "vllm"). Writes OUTDIR/<phase>.json and every
+bf16 (16.4 GB), filled by vLLM itself (engine "vllm"). Writes OUTDIR/<phase>.json and every
 process's log.
 
 before_after: on an empty GPU, vLLM's default loader at gpu_memory_utilization 0.9; then for
@@ -166,7 +166,7 @@ class Daemon:
 
 
 def model_entry(name: str, path: Path, **more) -> dict:
-    return {"name": name, "path": str(path), "gpus": [0], "layout": "vllm", "engine_version": "auto", **more}
+    return {"name": name, "path": str(path), "gpus": [0], "engine": "vllm", "engine_version": "auto", **more}
 
 
 def checkpoint() -> Path:

@@ -2,7 +2,7 @@
 
     python -m bench.vllm_cuda OUTDIR [MODEL ...]      (models: MODELS' keys)
 
-For each model: a CUDA daemon filled by vLLM itself (layout "vllm", engine_version "auto"), then
+For each model: a CUDA daemon filled by vLLM itself (engine "vllm", engine_version "auto"), then
 engines as fresh processes: vLLM's default loader, `fast_start` zero_copy and copy. Writes
 OUTDIR/summary.json (tokens equal, parameters inside PyTorch's allocator, digests, vLLM's
 "Model loading took" and "Available KV cache memory" lines, the seconds vLLM's
@@ -166,7 +166,7 @@ def daemon(models: dict[str, Path]):
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     lines = ["[daemon]", f'socket_dir = "{run_dir}"', 'device = "cuda"', f'worker_python = "{sys.executable}"']
     for name, path in models.items():
-        lines += ["", "[[model]]", f'name = "{name}"', f'path = "{path}"', "gpus = [0]", 'layout = "vllm"',
+        lines += ["", "[[model]]", f'name = "{name}"', f'path = "{path}"', "gpus = [0]", 'engine = "vllm"',
                   'engine_version = "auto"', *(f'{k} = "{v}"' for k, v in SERVED.get(name, {}).items())]
     config = WORK / "fs.toml"
     config.write_text("\n".join(lines) + "\n")

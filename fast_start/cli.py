@@ -204,7 +204,8 @@ def _status_once(gpu: Optional[int], config: Path, as_json: bool) -> None:
                                "run as root or the daemon's user") from None
             except (ValueError, protocol.ProtocolError) as e:
                 raise NoDaemon(f"GPU {g}: no daemon answers and {state_file} is damaged "
-                               f"({getattr(e, 'what', None) or e})", f"remove it, then systemctl restart fast-start@{g}") from None
+                               f"({getattr(e, 'what', None) or e})",
+                               f"remove it, then systemctl restart fast-start@{g}") from None
             if not _alive(state.pid):
                 state = state._replace(state="failed", error=state.error or f"daemon pid {state.pid} is not running")
             states.append(state)
@@ -262,8 +263,8 @@ def _status_table(states: list) -> None:
     out.print(table)
     for s in states:
         if s.started_at is not None:
-            out.print(f"GPU {s.gpu}: fast-start {s.version or '?'}, pid {s.pid}, up {_duration(time.time() - s.started_at)}",
-                      highlight=False)
+            up = _duration(time.time() - s.started_at)
+            out.print(f"GPU {s.gpu}: fast-start {s.version or '?'}, pid {s.pid}, up {up}", highlight=False)
         mem = getattr(s, "memory", None)
         if mem is not None:
             size = configs.format_bytes
@@ -313,23 +314,25 @@ def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint 
                     tp: int = typer.Option(1, "--tp"), rank: int = typer.Option(0, "--rank"),
                     dtype: str = typer.Option("bfloat16", "--dtype"),
                     quantization: str = typer.Option("none", "--quantization"),
-                    layout: str = typer.Option("hf", "--layout"), revision: str = typer.Option("main", "--revision"),
+                    engine: str = typer.Option("", "--engine", help="the engine that fills it (vllm)"),
+                    layout: str = typer.Option("hf", "--layout", help="(older configs) the engine's name, as --engine"),
+                    revision: str = typer.Option("main", "--revision"),
                     engine_version: str = typer.Option("", "--engine-version"),
-                    pp: int = typer.Option(1, "--pp", help="pipeline stages (layout vllm); --rank is the global rank"),
-                    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="layout vllm"),
-                    dp: int = typer.Option(1, "--dp", help="data-parallel ranks (layout vllm)"),
+                    pp: int = typer.Option(1, "--pp", help="pipeline stages (engine vllm); --rank is the global rank"),
+                    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="engine vllm"),
+                    dp: int = typer.Option(1, "--dp", help="data-parallel ranks (engine vllm)"),
                     dp_rank: int = typer.Option(0, "--dp-rank", help="this engine's DP rank"),
-                    ep: bool = typer.Option(False, "--ep", help="the engine's --enable-expert-parallel (layout vllm)"),
+                    ep: bool = typer.Option(False, "--ep", help="the engine's --enable-expert-parallel (engine vllm)"),
                     placement: str = typer.Option("linear", "--expert-placement",
                                                   help="the engine's --expert-placement-strategy"),
                     as_json: bool = JSON):
-    """Compute a checkpoint's fingerprint without a daemon (layout vllm: with this shell's VLLM_* kernel variables).
+    """Compute a checkpoint's fingerprint without a daemon (engine vllm: with this shell's VLLM_* kernel variables).
 
-    The options obey the config's rules for a [[model]] (and, for layout hf, the TP size must divide
+    The options obey the config's rules for a [[model]] (and, without an engine, the TP size must divide
     the model's heads and widths, as the fill requires): a digest is only printed for a rank a
     daemon could serve. --rank counts TP × PP ranks within --dp-rank's engine."""
     m = configs.ModelConfig(name="fingerprint", path=str(model.absolute()), gpus=(0,), tensor_parallel_size=tp,
-                            dtype=dtype, quantization=quantization, layout=layout, revision=revision,
+                            dtype=dtype, quantization=quantization, engine=engine, layout=layout, revision=revision,
                             engine_version=engine_version, pipeline_parallel_size=pp, kv_cache_dtype=kv_cache_dtype,
                             data_parallel_size=dp, enable_expert_parallel=ep, expert_placement_strategy=placement)
     configs.check_model(m, "fingerprint:", check_paths=True, names=FLAGS)
@@ -340,7 +343,7 @@ def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint 
     if not 0 <= dp_rank < dp:
         raise ConfigError(f"fingerprint: --dp-rank {dp_rank} is outside the {dp} DP rank(s) of --dp {dp}",
                           f"use a DP rank from 0 to {dp - 1}")
-    if m.engine is None:        # an engine judges its own TP sizes when it fills
+    if m.filler is None:        # an engine judges its own TP sizes when it fills
         _check_tp(model, tp, "fingerprint: --tp")
     m = dataclasses.replace(m, rank_offset=dp_rank * ranks + rank)
     fp = fingerprint(m.spec(0))
@@ -351,6 +354,7 @@ def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint 
 
 # The fingerprint command's options, by the config key each stands for.
 FLAGS = {"tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp", "dtype": "--dtype", "layout": "--layout",
+         "engine": "--engine",
          "quantization": "--quantization", "engine_version": "--engine-version", "path": "--model",
          "data_parallel_size": "--dp", "enable_expert_parallel": "--ep", "expert_placement_strategy": "--expert-placement",
          "kv_cache_dtype": "--kv-cache-dtype", "revision": "--revision"}
@@ -569,12 +573,12 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON,
     largest: dict[int, int] = {}
     for m in cfg.models:
         try:
-            if m.engine is None:
+            if m.filler is None:
                 _check_tp(Path(m.path), m.tensor_parallel_size, "tensor_parallel_size")
             for gpu in m.gpus:
                 spec = m.spec(gpu)
                 fingerprint(spec)           # config.json and every header, read as this user
-                engine = m.engine
+                engine = m.filler
                 nbytes = engine.estimate(spec) if engine else \
                     rank_bytes(Path(spec.path), spec.dtype, spec.tensor_parallel_size * spec.pipeline_parallel_size)
                 need[gpu] = need.get(gpu, 0) + nbytes
@@ -618,7 +622,7 @@ def _worker_checks(cfg: configs.Config) -> list[dict]:
     import subprocess
     rows = []
     for python in sorted({cfg.python(m) for m in cfg.models}):
-        named = sorted({m.engine.module for m in cfg.models if cfg.python(m) == python and m.engine})
+        named = sorted({m.filler.module for m in cfg.models if cfg.python(m) == python and m.filler})
         modules = ", ".join(["fast_start", "torch", *named])
         try:
             done = subprocess.run([python, "-c", f"import {modules}"], capture_output=True, text=True, timeout=300)

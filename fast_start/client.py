@@ -393,8 +393,8 @@ def fit_error(missing: list[str], unexpected: list[str], wrong: list[str], fix: 
 def cached(spec: WeightSpec, device: str | torch.device = "cpu", socket_dir: str | None = None,
            connect_timeout: float = 5.0) -> tuple[int, str]:
     """Bytes the daemon serving `device` holds for exactly `spec`'s fingerprint, and that daemon's
-    `on_release`; (0, "") if none does. (Asked by vLLM's start-up memory check, not by a fetch:
-    `reports`, 2-3 ms of NamedTuples to import, is imported here.)"""
+    `on_release`; (0, "") if none does. Asked by vLLM's start-up memory check, never by a fetch:
+    `reports` is imported here, off the fetch path, whose import its record classes would slow."""
     from . import reports
 
     digest = fingerprint(spec).digest()

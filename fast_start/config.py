@@ -64,7 +64,8 @@ class ModelConfig:
     rank_offset: int = 0
     dtype: str = "bfloat16"
     quantization: str = "none"
-    layout: str = "hf"
+    engine: str = ""                        # the engine that fills it itself ("vllm"); "": fast-start's tables
+    layout: str = "hf"                      # its cached tensors': "hf" (the checkpoint's), or its engine's
     revision: str = "main"
     engine_version: str = ""                # "auto": the engine's version in the worker's environment
     python: str = ""                        # this model's worker interpreter; "" = worker_python
@@ -76,16 +77,22 @@ class ModelConfig:
     enable_expert_parallel: bool = False    # an engine's expert parallelism
     expert_placement_strategy: str = "linear"   # ... and its placement of experts
 
+    def __post_init__(self):
+        # An engine's model is cached in the engine's layout, which the fingerprint's `layout`
+        # names. (`layout = "vllm"` alone, as configs said before `engine`, names the engine too.)
+        if self.engine and self.layout == "hf":
+            object.__setattr__(self, "layout", self.engine)
+
     @property
-    def engine(self) -> engines.Engine | None:
-        """The engine that fills this model where the worker's environment has it (its `layout`
-        names it), or None: fast-start's own tables."""
+    def filler(self) -> engines.Engine | None:
+        """The engine that fills this model where the worker's environment has it, or None:
+        fast-start's own tables."""
         return engines.get(self.layout)
 
     def spec(self, gpu: int) -> WeightSpec:
         """The weights GPU `gpu` serves for this model: its slot (its place in `gpus` plus
         `rank_offset`) counts DP rank by DP rank, each of tensor × pipeline ranks."""
-        engine = self.engine
+        engine = self.filler
         dp_rank, rank = divmod(self.gpus.index(gpu) + self.rank_offset,
                                self.tensor_parallel_size * self.pipeline_parallel_size)
         return WeightSpec(path=self.path, tensor_parallel_size=self.tensor_parallel_size, rank=rank,
@@ -258,8 +265,8 @@ def _check_daemon(d: DaemonConfig, path: str) -> None:
 
 
 def _by_engine() -> str:
-    """`layout = "<engine>"` for each engine (looked up in installed packages too: errors only)."""
-    return " or ".join(f"layout = \"{n}\"" for n in engines.names())
+    """`engine = "<name>"` for each engine (looked up in installed packages too: errors only)."""
+    return " or ".join(f"engine = \"{n}\"" for n in engines.names())
 
 
 def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, str] | None = None) -> None:
@@ -275,10 +282,19 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         if getattr(m, key) < 1:
             bad(key, f"is {getattr(m, key)}", "use 1 or more")
-    engine = m.engine
+    if m.engine and engines.get(m.engine) is None:
+        bad("engine", f"is {m.engine!r}", f"use one of {', '.join(engines.names())}, or leave it out (fast-start's "
+            "own tables fill the model)")
+    if m.engine and m.layout != m.engine:
+        bad("layout", f"is {m.layout!r} with engine {m.engine!r}", "leave layout out: an engine's model is cached "
+            "in the engine's layout")
+    if not m.engine and m.layout != "hf" and engines.get(m.layout) is None:
+        bad("layout", f"is {m.layout!r}", f"use one of {', '.join(layouts())}; or name the engine that fills the "
+            "model with engine = ...")
+    engine = m.filler
     for key, off in engines.ENGINE_KEYS.items():
         if getattr(m, key) != off and engine is None:
-            bad(key, f"is {getattr(m, key)!r} with layout {m.layout!r}",
+            bad(key, f"is {getattr(m, key)!r} for a model no engine fills",
                 f"an engine's settings (pipeline stages, data and expert parallelism, its MoE backend) "
                 f"are cached for {_by_engine()} only")
     ranks = m.tensor_parallel_size * m.pipeline_parallel_size * m.data_parallel_size
@@ -288,8 +304,6 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
             "fix gpus or rank_offset")
     if m.dtype not in dtypes.MODEL:
         bad("dtype", f"is {m.dtype!r}", f"use one of {', '.join(dtypes.MODEL)}")
-    if m.layout != "hf" and engines.get(m.layout) is None:
-        bad("layout", f"is {m.layout!r}", f"use one of {', '.join(layouts())}")
     if engine is not None:
         for key, what, fix in engine.check(m):
             bad(key, what, fix)

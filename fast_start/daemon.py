@@ -151,11 +151,11 @@ class Daemon:
                 log.info("%s is filled by %s (environment %s: fast-start %s, %s)", m.name, hello.python, hello.prefix,
                          hello.version, ", ".join(f"{k} {v}" for k, v in hello.engines.items()) or "no engine")
                 if m.engine_version == configs.AUTO:     # the config allows it for an engine's model only
-                    if m.engine.name not in hello.engines:
+                    if m.filler.name not in hello.engines:
                         raise ConfigError(f"{cfg.path}: [[model]] {m.name!r} has engine_version = \"auto\", but "
-                                          f"{hello.python} has no {m.engine.title} installed",
+                                          f"{hello.python} has no {m.filler.title} installed",
                                           "set worker_python (or the model's python) to the engine's interpreter")
-                    m = replace(m, engine_version=hello.engines[m.engine.name])
+                    m = replace(m, engine_version=hello.engines[m.filler.name])
             models.append(m)
         return replace(cfg, models=tuple(models))
 

@@ -6,7 +6,8 @@ which checks every field once, where it enters, and raises ProtocolError naming 
 does not fit; past that point code reads attributes, never keys. Fields a daemon of an earlier
 version may lack have defaults; keys a reader does not know are left out.
 
-NamedTuples, not dataclasses: an engine's client imports this module on every start.
+NamedTuples, not dataclasses (cheaper to make); still, an engine's client imports this module
+only where it asks for fingerprints, not on the fetch path.
 """
 import types
 import typing

@@ -42,8 +42,9 @@ def data_plane():
 
 
 def filling_engine(spec: WeightSpec) -> engines.Engine | None:
-    """The engine that fills this model itself: the one its layout names, where this environment
-    has it installed (else fast-start's own tables build that engine's as-loaded layout)."""
+    """The engine that fills this model itself: the one its `layout` names (its config's
+    `engine`), where this environment has it installed (else fast-start's own tables build that
+    engine's as-loaded layout)."""
     engine = engines.get(spec.layout)
     return engine if engine is not None and engine.name in engines.installed() else None
 

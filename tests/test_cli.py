@@ -110,17 +110,18 @@ def test_real_subprocess_exit_codes(tmp_path, small, daemons):
 
 def test_fingerprint_validates_its_options_as_the_config_does(small):
     """A digest is only printed for a rank a daemon could serve: the config's rules for a
-    [[model]], the rank inside TP x PP, and (layout hf) a TP size the model's shapes allow."""
+    [[model]], the rank inside TP x PP, and (no engine) a TP size the model's shapes allow."""
     heads = open_checkpoint(small).dims.num_heads
     for args, words in ((("--tp", heads + 1), f"--tp {heads + 1} does not divide num_attention_heads ({heads})"),
                         (("--rank", 7), "--rank 7 is outside the 1 rank(s) of --tp 1 --pp 1"),
                         (("--dtype", "int3"), "--dtype is 'int3'"),
                         (("--layout", "foo"), "--layout is 'foo'"),
                         (("--quantization", "int2"), "--quantization is 'int2'"),
-                        (("--pp", 2, "--rank", 1), "--pp is 2 with layout 'hf'"),
+                        (("--pp", 2, "--rank", 1), "--pp is 2 for a model no engine fills"),
                         (("--tp", 0), "--tp is 0"),
                         (("--engine-version", "auto"), "--engine-version is \"auto\""),
-                        (("--dp", 2), "--dp is 2 with layout 'hf'"),
+                        (("--dp", 2), "--dp is 2 for a model no engine fills"),
+                        (("--engine", "foo"), "--engine is 'foo'"),
                         (("--layout", "vllm", "--dp", 2, "--dp-rank", 2), "--dp-rank 2 is outside the 2 DP rank(s)"),
                         (("--layout", "vllm", "--ep", "--expert-placement", "random"), "--expert-placement is 'random'")):
         r = cli("fingerprint", "--model", small, *args)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fast_start import config as configs
+from fast_start import config as configs, engines
 from fast_start.config import ConfigError
 
 EXAMPLE = Path(__file__).parent.parent / "etc" / "fast-start" / "fast-start.toml"
@@ -33,10 +33,12 @@ def test_example_config_validates(small, tmp_path):
     (("rank_offset = 0", "rank_offset = 1"), "key 'rank_offset' 1 with 2 GPUs serves ranks beyond 1"),
     (('quantization = "none"', 'quantization = "int3"'), "key 'quantization' is 'int3'"),
     (('quantization = "none"', 'quantization = "fp8_per_block"'), "'fp8_per_block' is refused: online block FP8"),
-    (('layout = "vllm"', 'layout = "hf"'), "key 'engine_version' is \"auto\", which only an engine's model (layout = \"vllm\")"),
-    (('layout = "vllm"', 'layout = "hf"\nexpert_placement_strategy = "bogus"'),
-     "key 'expert_placement_strategy' is 'bogus' with layout 'hf'"),
-    (('layout = "vllm"', 'layout = "toy"'), "key 'layout' is 'toy'"),
+    (('engine = "vllm"', 'engine = ""'), "key 'engine_version' is \"auto\", which only an engine's model (engine = \"vllm\")"),
+    (('engine = "vllm"', 'engine = ""\nexpert_placement_strategy = "bogus"'),
+     "key 'expert_placement_strategy' is 'bogus' for a model no engine fills"),
+    (('engine = "vllm"', 'engine = "toy"'), "key 'engine' is 'toy'"),
+    (('engine = "vllm"', 'engine = ""\nlayout = "toy"'), "key 'layout' is 'toy'"),
+    (('engine = "vllm"', 'engine = "vllm"\nlayout = "other"'), "key 'layout' is 'other' with engine 'vllm'"),
     (('# worker_python = "/opt', 'worker_python = "opt'), "key 'worker_python' is 'opt"),
     (('# python = "/opt', 'python = "opt'), "key 'python' is 'opt"),
     (('device = "cuda"', 'device = "tpu"'), "key 'device' is 'tpu'"),
@@ -86,9 +88,9 @@ def test_parse_bytes(text, total, want):
 
 
 @pytest.mark.parametrize("model,message", [
-    ({"pipeline_parallel_size": 2, "layout": "hf"}, "key 'pipeline_parallel_size' is 2 with layout 'hf'"),
-    ({"data_parallel_size": 2, "layout": "hf"}, "key 'data_parallel_size' is 2 with layout 'hf'"),
-    ({"enable_expert_parallel": True, "layout": "hf"}, "key 'enable_expert_parallel' is True with layout 'hf'"),
+    ({"pipeline_parallel_size": 2, "layout": "hf"}, "key 'pipeline_parallel_size' is 2 for a model no engine fills"),
+    ({"data_parallel_size": 2, "layout": "hf"}, "key 'data_parallel_size' is 2 for a model no engine fills"),
+    ({"enable_expert_parallel": True, "layout": "hf"}, "key 'enable_expert_parallel' is True for a model no engine fills"),
     ({"expert_placement_strategy": "random"}, "key 'expert_placement_strategy' is 'random'"),
     ({"pipeline_parallel_size": 0}, "key 'pipeline_parallel_size' is 0"),
     ({"data_parallel_size": 0}, "key 'data_parallel_size' is 0"),
@@ -98,7 +100,7 @@ def test_parse_bytes(text, total, want):
     ({"engine_env": ["VLLM_USE_DEEP_GEMM"]}, "is not NAME=VALUE"),
     ({"quantization": "gptq"}, "vLLM quantization 'gptq' is not verified for caching"),
     ({"moe_backend": "Marlin"}, "key 'moe_backend' is 'Marlin'"),
-    ({"moe_backend": "marlin", "layout": "hf"}, "key 'moe_backend' is 'marlin' with layout 'hf'"),
+    ({"moe_backend": "marlin", "layout": "hf"}, "key 'moe_backend' is 'marlin' for a model no engine fills"),
 ])
 def test_vllm_model_keys_are_checked(small, tmp_path, model, message):
     """A vLLM model's PP, DP and EP settings, ranks, kernel variables and quantization are refused with the fix."""
@@ -122,6 +124,19 @@ def test_vllm_spec_carries_pipeline_rank_and_kernel_variables(small, tmp_path, m
     assert (spec.rank, spec.pipeline_parallel_size) == (2, 2)
     assert json.loads(spec.engine_options) == {"env": {"VLLM_DISABLED_KERNELS": "X", "VLLM_USE_DEEP_GEMM": "0"},
                                                "kv_cache_dtype": "auto", "pp": 2}
+
+
+def test_engine_names_who_fills_a_model_and_the_older_layout_key_means_the_same(small, tmp_path):
+    """`engine = "vllm"` says vLLM fills the model, which is then cached in vLLM's layout; configs
+    of earlier versions said `layout = "vllm"`, which names the same engine and fingerprint."""
+    from devtools.harness import write_config
+    cfg = configs.load(write_config(tmp_path / "fs.toml", tmp_path / "run", [
+        {"name": "new", "path": str(small), "gpus": [0], "engine": "vllm"},
+        {"name": "old", "path": str(small), "gpus": [0], "layout": "vllm"},
+        {"name": "own", "path": str(small), "gpus": [0]}]))
+    new, old, own = cfg.models
+    assert new.filler is old.filler is engines.get("vllm") and own.filler is None
+    assert new.spec(0) == old.spec(0) and new.spec(0).layout == "vllm" and own.spec(0).layout == "hf"
 
 
 def test_a_chosen_moe_backend_enters_the_fingerprint_and_auto_leaves_it_as_before(small, tmp_path):

@@ -36,7 +36,7 @@ def toy_site(tmp_path, monkeypatch):
 
 
 def toy_model(path, **kw):
-    return {"name": "small", "path": str(path), "gpus": [0], "layout": "toy", "engine_version": "auto",
+    return {"name": "small", "path": str(path), "gpus": [0], "engine": "toy", "engine_version": "auto",
             "engine_env": ["TOY_MODE=a"], **kw}
 
 
@@ -66,8 +66,11 @@ def test_an_engines_own_config_rule_is_named_when_the_config_loads(tmp_path, sma
         configs.load(cfg)
 
 
-def test_a_layout_no_engine_names_lists_the_known_ones(tmp_path, small):
-    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [toy_model(small, layout="nosuch")])
+def test_an_engine_nobody_registered_is_named_with_the_known_ones(tmp_path, small):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [toy_model(small, engine="nosuch")])
+    with pytest.raises(ConfigError, match="engine' is 'nosuch'.*use one of vllm, or leave it out"):
+        configs.load(cfg)
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [toy_model(small, engine="", layout="nosuch")])
     with pytest.raises(ConfigError, match="layout' is 'nosuch'.*use one of hf, vllm"):
         configs.load(cfg)
 

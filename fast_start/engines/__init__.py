@@ -1,6 +1,6 @@
 """Engines: the inference engines that fill a model themselves, by name.
 
-A model whose `layout` names an engine is filled by that engine where the fill worker's
+A model whose `engine` names one is filled by that engine where the fill worker's
 environment has it installed (vLLM builds, loads and processes the rank: `engines/vllm/`);
 otherwise fast-start's own tables build the layout (`materialize.py`). The control plane (the
 config, the daemon, the CLI) asks an engine through `Engine` for what it decides there: its
@@ -30,7 +30,7 @@ ENGINE_KEYS = {"pipeline_parallel_size": 1, "data_parallel_size": 1, "enable_exp
 
 
 class Engine(Protocol):
-    name: str                       # the `layout` that selects it, and its manifests' "engine"
+    name: str                       # a model's `engine` (and the fingerprint's `layout`), its manifests' "engine"
     title: str                      # its name as people write it ("vLLM")
     distributions: tuple[str, ...]  # the packages that install it (its version: the first found)
     module: str                     # what an environment imports to run it
@@ -71,9 +71,9 @@ log = logging.getLogger("fast_start.engines")
 
 
 def get(name: str) -> Engine | None:
-    """The engine `name` (a model's `layout`, a manifest's "engine") names, or None ("hf": the
-    checkpoint's own layout). A name not built in is looked for among the installed packages'
-    `fast_start.engines` entry points, each time it is asked for."""
+    """The engine `name` (a model's `engine`, a fingerprint's `layout`, a manifest's "engine")
+    names, or None ("hf": the checkpoint's own layout). A name not built in is looked for among
+    the installed packages' `fast_start.engines` entry points, each time it is asked for."""
     if name in REGISTRY or name == "hf":
         return REGISTRY.get(name)
     _discover()

@@ -1,4 +1,4 @@
-"""The fill of a `layout = "vllm"` model: vLLM itself builds, loads and processes one rank.
+"""The fill of an `engine = "vllm"` model: vLLM itself builds, loads and processes one rank.
 
 Runs in the fill worker, with the engine's interpreter (`python` / `worker_python`), so the
 bytes come from the engine's own vLLM, torch and kernels. For the rank the daemon serves it:

@@ -224,7 +224,7 @@ def install(modules: dict[str, torch.nn.Module], weights: Weights, record: FillR
     unexpected = [n for n in tensors if n not in params and n not in buffers]
     if missing or unexpected or wrong:
         raise fit_error(missing, unexpected, wrong, "build vLLM for the same model, TP size and dtype as the "
-                        "daemon's [[model]] (layout = \"vllm\")")
+                        "daemon's [[model]] (engine = \"vllm\")")
     replaced: dict[int, torch.nn.Parameter] = {}
     for name, param in params.items():
         if not param.is_meta:
