@@ -39,9 +39,11 @@ demo: $(VENV)/.installed
 	$(PY) -m devtools.demo
 
 # Test modules run in parallel, each whole in one worker (its module-wide daemons and engines are
-# set up once): most tests wait on processes of their own more than they compute.
+# set up once): most tests wait on processes of their own more than they compute. Modules go out
+# in the order tests/conftest.py collects them, slow ones first (xdist would hand out those with
+# the most tests first, which leaves the few long vLLM and container tests for the end).
 WORKERS ?= 2
-PYTEST  := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile
+PYTEST  := $(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(VENV)/.engines system-deps
 	$(PYTEST) --durations=12
