@@ -26,7 +26,7 @@ from . import dtypes
 from .errors import CheckpointError
 from .headers import INDEX, MAX_HEADER, ModelDims, read_index, raw_header, read_config, required_tensors, shard_files
 
-DTYPES = {d.code: dtypes.torch_dtype(d.name) for d in dtypes.TABLE}
+DTYPES = {d.code: dtypes.torch_dtype(d.name) for d in dtypes.TABLE if hasattr(torch, d.name)}
 
 @dataclass(frozen=True)
 class TensorInfo:

@@ -21,6 +21,8 @@ TABLE = (
     DType("bfloat16", "BF16", 2, True), DType("float8_e4m3fn", "F8_E4M3", 1), DType("float8_e5m2", "F8_E5M2", 1),
     DType("int64", "I64", 8), DType("int32", "I32", 4), DType("int16", "I16", 2), DType("int8", "I8", 1),
     DType("uint8", "U8", 1), DType("bool", "BOOL", 1),
+    # Appended, never inserted: a cache's tables name a dtype by its place here.
+    DType("float8_e8m0fnu", "F8_E8M0", 1),     # MXFP4's block scales, as vLLM's Marlin holds them
 )
 BY_NAME = {d.name: d for d in TABLE}
 BY_CODE = {d.code: d for d in TABLE}

@@ -83,9 +83,12 @@ class Manifest:
         """Every tensor lies inside its arena, aligned, with nbytes matching dtype and shape."""
         names = set()
         for t in self.tensors:
-            if t.name in names or t.dtype not in dtypes.BY_NAME or not 0 <= t.arena < len(self.arenas):
-                raise ArenaError(f"manifest entry {t.name!r} is duplicated, has an unknown dtype or arena",
-                                 "refill the cache")
+            if t.name in names or not 0 <= t.arena < len(self.arenas):
+                raise ArenaError(f"manifest entry {t.name!r} is duplicated or names no arena", "refill the cache")
+            if t.dtype not in dtypes.BY_NAME:
+                raise ArenaError(f"manifest entry {t.name!r} has dtype {t.dtype}, which this fast-start does not know "
+                                 f"(it knows {', '.join(dtypes.BY_NAME)})",
+                                 "upgrade fast-start to one that knows it, or serve this model from disk")
             names.add(t.name)
             if any(not isinstance(s, int) or s < 0 for s in t.shape) or nbytes(t.dtype, t.shape) != t.nbytes:
                 raise ArenaError(f"manifest entry {t.name!r}: shape {t.shape} does not match {t.nbytes} bytes",

@@ -1,6 +1,7 @@
 """The tensor table and the one-round-trip acquire: what a fresh engine process parses and maps."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import struct
@@ -58,6 +59,26 @@ def test_tensors_of_a_shape_are_one_run_and_come_back_bit_for_bit(fp):
         assert got[e.name].shape == e.shape and got[e.name].dtype == torch.bfloat16
         assert got[e.name].data_ptr() == want.data_ptr()
         assert torch.equal(got[e.name].view(torch.int16), want.view(torch.int16))
+
+
+def test_every_dtype_of_the_table_comes_back_as_itself(fp):
+    # float8_e8m0fnu: MXFP4's block scales as vLLM's Marlin holds them after processing
+    from fast_start import dtypes
+    outputs = [(f"t.{d.name}", d.name, (4, 8)) for d in dtypes.TABLE]
+    m = manifest_of(outputs, fp)
+    m.validate()
+    arena = torch.arange(m.arenas[0].size, dtype=torch.int64).to(torch.uint8)
+    got = from_table(table.encode(m), [arena])
+    for e in m.tensors:
+        assert got[e.name].dtype == dtypes.torch_dtype(e.dtype) and got[e.name].shape == (4, 8)
+        assert torch.equal(got[e.name].view(torch.uint8).flatten(), arena[e.offset:e.offset + e.nbytes])
+
+
+def test_a_manifest_naming_a_dtype_fast_start_does_not_know_says_which(fp):
+    m = manifest_of([("w", "bfloat16", (4,))], fp)
+    bad = Manifest(m.fingerprint, m.arenas, (dataclasses.replace(m.tensors[0], dtype="float4_e2m1fn_x2"),), {})
+    with pytest.raises(ArenaError, match="'w' has dtype float4_e2m1fn_x2, which this fast-start does not know"):
+        bad.validate()
 
 
 def test_table_tensors_are_normal_tensors_an_engine_may_make_parameters_of_and_write(fp):
