@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable
 
 from . import __version__, memory, protocol, reports, table, trust, watch
@@ -38,20 +38,6 @@ MODEL_STATES = ("cached", "filling", "no_room", "stale", "failed", "evicted", "m
 # counters are there from the start, at 0, so that a rate or an alert sees them before any event.
 MISS_REASONS = ("fingerprint", "files", "access", "memory", "evicted", "not_cached")
 EVICTION_REASONS = ("manual", "release", "config change", "checkpoint changed")
-
-
-@dataclass(frozen=True)
-class Pending:
-    """A configured model this GPU does not hold: its state (of MODEL_STATES but "cached"), why,
-    and since when (None: never filled nor asked for)."""
-    name: str
-    state: str
-    detail: str = ""
-    since: float | None = None
-
-    def __post_init__(self):
-        if self.state not in MODEL_STATES or self.state == "cached":
-            raise ValueError(f"{self.name}: {self.state!r} is not a pending state (one of {MODEL_STATES[1:]})")
 
 
 @dataclass
@@ -98,7 +84,7 @@ class Cache:
         self.entries: dict[str, Entry] = {}
         self.leases = Leases(limits, on_process)        # under `lock`
         self.configured: tuple[str, ...] = ()          # models this GPU should hold
-        self.pending: dict[str, Pending] = {}          # configured but not cached
+        self.pending: dict[str, reports.Missing] = {}   # configured but not cached
         self.former: dict[str, tuple[Fingerprint, str]] = {}   # a pending model's evicted fingerprint, why
         self.history = History()
         self.reloads, self.reload_error = 0, ""       # SIGHUPs handled; why the last one was refused
@@ -152,8 +138,15 @@ class Cache:
 
     def set_pending(self, model: str, state: str, detail: str = "") -> None:
         with self.lock:
-            self.pending[model] = Pending(model, state, detail, time.time())
+            self._pend(model, state, detail)
         self.on_change()
+
+    def _pend(self, model: str, state: str, detail: str = "") -> None:
+        """Note (lock held) why configured `model` is not cached, from now: `state` is one of
+        MODEL_STATES but "cached"."""
+        if state not in MODEL_STATES or state == "cached":
+            raise ValueError(f"{model}: {state!r} is not a pending state (one of {MODEL_STATES[1:]})")
+        self.pending[model] = reports.Missing(model, state, detail, time.time())
 
     # -- requests ------------------------------------------------------------------------------
     def handle(self, msg, peer: Peer):
@@ -352,7 +345,7 @@ class Cache:
                                       "and run systemctl reload")
             names = [n for n in ([model] if model else self.configured) if n not in self.entries]
             for name in names:
-                self.pending[name] = Pending(name, "filling", "asked by fast-start fill", time.time())
+                self._pend(name, "filling", "asked by fast-start fill")
         for name in names:
             self.on_fill(name)
         self.on_change()
@@ -365,7 +358,7 @@ class Cache:
             if entry is None:
                 return False
             if name in self.configured:
-                self.pending[name] = Pending(name, pending, reason, time.time())
+                self._pend(name, pending, reason)
                 self.former[name] = (entry.manifest.fingerprint, reason)
             leases = self.leases.on(name)
         self.history.add(reports.Eviction(time.time(), name, reason, entry.nbytes, leases))
@@ -400,7 +393,7 @@ class Cache:
         admin = peer is None or peer.admin
         now = memory.of(self.device)
         with self.lock:
-            missing = [reports.Missing(**asdict(self.pending.get(n) or Pending(n, "missing")))
+            missing = [self.pending.get(n) or reports.Missing(n, "missing")
                        for n in self.configured if n not in self.entries]
             models = [reports.CachedModel(
                 name=n, rank=e.manifest.fingerprint.rank, tensor_parallel_size=e.manifest.fingerprint.tensor_parallel_size,

@@ -64,7 +64,7 @@ class ModelConfig:
     rank_offset: int = 0
     dtype: str = "bfloat16"
     quantization: str = "none"
-    engine: str = ""                        # the engine that fills it itself ("vllm"); "": fast-start's tables
+    engine: str = ""                        # the engine that fills it itself (vLLM); "": fast-start's tables
     layout: str = "hf"                      # its cached tensors': "hf" (the checkpoint's), or its engine's
     revision: str = "main"
     engine_version: str = ""                # "auto": the engine's version in the worker's environment
@@ -79,7 +79,7 @@ class ModelConfig:
 
     def __post_init__(self):
         # An engine's model is cached in the engine's layout, which the fingerprint's `layout`
-        # names. (`layout = "vllm"` alone, as configs said before `engine`, names the engine too.)
+        # names. (A layout naming an engine, as configs said before `engine`, names it too.)
         if self.engine and self.layout == "hf":
             object.__setattr__(self, "layout", self.engine)
 

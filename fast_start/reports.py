@@ -38,7 +38,7 @@ class CachedModel(NamedTuple):          # a cached model, as `status` lists it
     note: str | None = None
 
 
-class Missing(NamedTuple):              # a configured model that is not cached (`cache.Pending`)
+class Missing(NamedTuple):              # a configured model that is not cached (`Cache.pending`)
     name: str
     state: str
     detail: str = ""
