@@ -11,14 +11,15 @@ fast-start loader set it, `fast_start_source`; the external weight bytes the loa
 and the greedy tokens for fixed prompts. `"engine"`: more of `LLM`'s arguments (e.g.
 `enable_expert_parallel`; with a `speculative_config` the draft model is reported too, as
 `draft`). With `"reload": true`, vLLM's `reload_weights` then
-runs and the tokens and the report are taken again (`reloaded`).
+runs and the tokens and the report are taken again (`reloaded`). `"workers": "spawn"`: a
+multi-rank engine's workers spawned, as vLLM's CPU build does (by default they are forked).
 
     python vllm_engine.py --serve SOCKET
 
 imports vLLM once and forks one engine per request on SOCKET (engine_server.py is the client):
 the tests start dozens of engines, and a fresh interpreter spends most of an engine's start
 importing torch and vLLM. The server holds one thread (it checks), so each fork is a clean copy
-of an interpreter that has imported and run nothing else; vLLM's own workers are still spawned.
+of an interpreter that has imported and run nothing else; its workers fork from it in turn.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ KV_CACHE_BYTES = 64 << 20
 from vllm import LLM, SamplingParams
 from vllm.model_executor.model_loader import base_loader, get_model_loader
 from vllm.model_executor.model_loader import utils as loader_utils
+from vllm.platforms.cpu import CpuPlatform
 
 PROMPTS = [[1, 17, 230, 45, 901, 3], [1, 500, 501, 502], [1, 7]]
 
@@ -79,9 +81,24 @@ def record_as_loaded(original):
     return wrapped
 
 
-# Module level: vLLM spawns CPU workers, which import this file again as `__mp_main__`.
+# Module level: a spawned vLLM worker imports this file again as `__mp_main__`.
 _wrapped = record_as_loaded(loader_utils.process_weights_after_loading)
 loader_utils.process_weights_after_loading = base_loader.process_weights_after_loading = _wrapped
+
+# vLLM's CPU platform starts a multi-rank engine's workers with `spawn`: each imports torch and
+# vLLM again, 5 s idle and 15-20 s on a loaded 2-core machine, for each of the suite's dozens of
+# such engines. vLLM on CUDA forks its workers where it can, so an engine here forks them too,
+# unless it asks for `"workers": "spawn"` (tests that keep the spawned path covered).
+WORKERS = ["fork"]
+_cpu_config = CpuPlatform.check_and_update_config.__func__
+
+
+def _start_workers_as_asked(cls, vllm_config) -> None:
+    _cpu_config(cls, vllm_config)
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = WORKERS[0]
+
+
+CpuPlatform.check_and_update_config = classmethod(_start_workers_as_asked)
 
 
 def reload_record(model: torch.nn.Module) -> dict:
@@ -134,6 +151,7 @@ def draft_report(worker, config) -> dict:
 
 def main() -> None:
     args = json.loads(sys.argv[1])
+    WORKERS[0] = args.get("workers", "fork")
     ranks = args["tp"] * args.get("pp", 1)
     if ranks > 1:       # one CPU list per rank; with data parallelism vLLM takes its DP rank's share of them
         ranks *= int(os.environ.get("VLLM_DP_SIZE", "1"))
