@@ -1,5 +1,6 @@
-"""vLLM's expert layouts, each served by daemons of its own: TP x DP with experts, round-robin
-expert placement, and an expert-parallel engine where the daemons hold ranks without it.
+"""vLLM's expert layouts: round-robin expert placement (daemons of its own), TP x DP with
+experts, and an expert-parallel engine where the daemons hold ranks without it (those two share
+four daemons).
 
 The engines and reports are those of test_vllm.py (tests/vllm_support.py); these tests need
 none of its module-wide cache, so they run apart from it (`make test` runs modules in parallel).
@@ -67,24 +68,33 @@ def test_round_robin_experts_of_a_grouped_model_are_served_and_linear_misses(tmp
     assert experts[0] != experts[1] and experts[0] != experts[2]      # each rank its own; placements differ
 
 
-def test_tp2_dp2_expert_ranks_are_served_by_four_daemons(tmp_path, checkpoints):
-    """Qwen3-MoE at TP 2 × DP 2 with expert parallelism: two engine processes of two workers each,
-    each of the four ranks served by its own daemon (GPU slot k: DP rank k // 2, TP rank k % 2)
-    and holding a quarter of the experts; every rank and the tokens equal the default loader's."""
-    run, engine = tmp_path / "run", {"enable_expert_parallel": True}
-    model = vllm_model("moe-tp2-dp2-ep", checkpoints["qwen3-moe"], [0, 1, 2, 3], tensor_parallel_size=2,
-                       data_parallel_size=2, enable_expert_parallel=True)
-    config = write_config(tmp_path / "fs.toml", run, [model])
-    daemons = [Daemon(tmp_path, config, g, env=PLUGINS) for g in range(4)]
+@pytest.fixture(scope="module")
+def four_daemons(work, checkpoints):
+    """Four daemons (GPU slots 0-3) holding Qwen3-MoE twice: TP 2 x DP 2 with expert parallelism
+    over all four, and TP 2 without it on slots 0 and 1."""
+    run = work / "run-experts"
+    config = write_config(work / "experts.toml", run, [
+        vllm_model("moe-tp2-dp2-ep", checkpoints["qwen3-moe"], [0, 1, 2, 3], tensor_parallel_size=2,
+                   data_parallel_size=2, enable_expert_parallel=True),
+        vllm_model("moe-tp2", checkpoints["qwen3-moe"], [0, 1], tensor_parallel_size=2)])
+    daemons = [Daemon(work, config, g, env=PLUGINS) for g in range(4)]
     try:
         for d in daemons:
             d.wait_ready()
-        want = run_data_parallel(tmp_path, "default", checkpoints["qwen3-moe"], engine=engine, tp=2)
-        got = run_data_parallel(tmp_path, "fs", checkpoints["qwen3-moe"], "fast_start",
-                                {"socket_dir": str(run), "fallback": False}, engine, tp=2)
+        yield run
     finally:
         for d in daemons:
             d.stop()
+
+
+def test_tp2_dp2_expert_ranks_are_served_by_four_daemons(tmp_path, checkpoints, four_daemons):
+    """Qwen3-MoE at TP 2 × DP 2 with expert parallelism: two engine processes of two workers each,
+    each of the four ranks served by its own daemon (GPU slot k: DP rank k // 2, TP rank k % 2)
+    and holding a quarter of the experts; every rank and the tokens equal the default loader's."""
+    engine = {"enable_expert_parallel": True}
+    want = run_data_parallel(tmp_path, "default", checkpoints["qwen3-moe"], engine=engine, tp=2)
+    got = run_data_parallel(tmp_path, "fs", checkpoints["qwen3-moe"], "fast_start",
+                            {"socket_dir": str(four_daemons), "fallback": False}, engine, tp=2)
     for g, w in zip(got, want):
         assert_same_weights(g, w)
         assert [r["source"] for r in g["ranks"]] == ["cache", "cache"]
@@ -94,22 +104,14 @@ def test_tp2_dp2_expert_ranks_are_served_by_four_daemons(tmp_path, checkpoints):
 
 
 def test_an_expert_parallel_engine_where_the_cache_holds_ranks_without_it_misses_naming_the_field(tmp_path,
-                                                                                                     checkpoints):
+                                                                                                     checkpoints,
+                                                                                                     four_daemons):
     """The other way round: the daemons hold Qwen3-MoE's TP-2 ranks without expert parallelism
     (each rank a slice of every expert), and the engine runs with it (whole experts per rank)."""
-    run, engine = tmp_path / "run", {"enable_expert_parallel": True}
-    config = write_config(tmp_path / "fs.toml", run, [vllm_model("moe-tp2", checkpoints["qwen3-moe"], [0, 1],
-                                                                 tensor_parallel_size=2)])
-    daemons = [Daemon(tmp_path, config, g, env=PLUGINS) for g in (0, 1)]
-    try:
-        for d in daemons:
-            d.wait_ready()
-        want, _ = run_engine(tmp_path / "default-ep2.log", checkpoints["qwen3-moe"], 2, env=PLUGINS, engine=engine)
-        got, log = run_engine(tmp_path / "fs-ep2.log", checkpoints["qwen3-moe"], 2, "fast_start",
-                              {"socket_dir": str(run)}, env=PLUGINS, engine=engine)
-    finally:
-        for d in daemons:
-            d.stop()
+    engine = {"enable_expert_parallel": True}
+    want, _ = run_engine(tmp_path / "default-ep2.log", checkpoints["qwen3-moe"], 2, env=PLUGINS, engine=engine)
+    got, log = run_engine(tmp_path / "fs-ep2.log", checkpoints["qwen3-moe"], 2, "fast_start",
+                          {"socket_dir": str(four_daemons)}, env=PLUGINS, engine=engine)
     assert_same_weights(got, want)
     assert [r["source"] for r in got["ranks"]] == [None] * 2
     assert "differing fields: expert_parallel); loading with vLLM's default loader" in log

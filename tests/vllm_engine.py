@@ -86,9 +86,9 @@ _wrapped = record_as_loaded(loader_utils.process_weights_after_loading)
 loader_utils.process_weights_after_loading = base_loader.process_weights_after_loading = _wrapped
 
 # vLLM's CPU platform starts a multi-rank engine's workers with `spawn`: each imports torch and
-# vLLM again, 5 s idle and 15-20 s on a loaded 2-core machine, for each of the suite's dozens of
-# such engines. vLLM on CUDA forks its workers where it can, so an engine here forks them too,
-# unless it asks for `"workers": "spawn"` (tests that keep the spawned path covered).
+# vLLM again, seconds per worker for each of the suite's dozens of such engines. vLLM on CUDA
+# forks its workers where it can, so an engine here forks them too, unless it asks for
+# `"workers": "spawn"` (tests that keep the spawned path covered).
 WORKERS = ["fork"]
 _cpu_config = CpuPlatform.check_and_update_config.__func__
 
