@@ -70,9 +70,13 @@ def _rank_tensors(ckpt: Checkpoint, read: Reader, method: quant.Method, dtype: t
         t = None
 
 
+# Exponent-only block scales (MX formats): never weights, whatever their name.
+_SCALES = tuple(getattr(torch, n) for n in ("float8_e8m0fnu",) if hasattr(torch, n))
+
+
 def _served_dtype(name: str, stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
     # FP8 weights and activation scales of a pre-quantized checkpoint keep their stored dtype.
-    if not stored.is_floating_point or stored == fp8.FP8 or name.endswith("input_scale"):
+    if not stored.is_floating_point or stored == fp8.FP8 or stored in _SCALES or name.endswith("input_scale"):
         return stored
     return dtype
 

@@ -100,6 +100,25 @@ def test_malformed_file_gives_its_specific_error(small, case, expected):
     assert err.value.fix
 
 
+def test_exponent_only_scales_are_served_as_stored(tmp_path):
+    """An MX checkpoint's float8_e8m0fnu tensors come back in their own dtype, under a scale's name
+    or not (here the final norm's), while the weights take the model's dtype."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    folder = synth.write_checkpoint(tmp_path / "mx", synth.Shape(hidden_size=64, num_layers=1, num_heads=2,
+                                    num_kv_heads=1, head_dim=32, intermediate_size=128, vocab_size=100), seed=1)
+    tensors = load_file(folder / "model.safetensors")
+    scales = torch.tensor([2.0 ** k for k in range(-32, 32)]).to(torch.float8_e8m0fnu)
+    tensors["model.layers.0.mlp.down_proj.weight_scale"] = scales.reshape(16, 4)
+    tensors["model.norm.weight"] = scales.clone()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    w = fast_start.fetch(fast_start.WeightSpec(str(folder), dtype="float32"), socket_dir=str(tmp_path / "none"))
+    for name in ("model.layers.0.mlp.down_proj.weight_scale", "model.norm.weight"):
+        assert w[name].dtype == torch.float8_e8m0fnu
+        assert torch.equal(w[name].view(torch.uint8).flatten(), scales.view(torch.uint8))
+    assert w["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
+
+
 def test_missing_shard_named_by_index(llama, tmp_path):
     folder = shutil.copytree(llama, tmp_path / "m")
     victim = sorted(folder.glob("*.safetensors"))[1]
