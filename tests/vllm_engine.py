@@ -85,20 +85,18 @@ def record_as_loaded(original):
 _wrapped = record_as_loaded(loader_utils.process_weights_after_loading)
 loader_utils.process_weights_after_loading = base_loader.process_weights_after_loading = _wrapped
 
-# vLLM's CPU platform starts a multi-rank engine's workers with `spawn`: each imports torch and
-# vLLM again, seconds per worker for each of the suite's dozens of such engines. vLLM on CUDA
-# forks its workers where it can, so an engine here forks them too, unless it asks for
-# `"workers": "spawn"` (tests that keep the spawned path covered).
-WORKERS = ["fork"]
-_cpu_config = CpuPlatform.check_and_update_config.__func__
 
+def start_workers_with(method: str) -> None:
+    """Have this engine start its workers with `method` ("fork" or "spawn"). vLLM's CPU platform
+    sets `spawn` as it checks the config: each worker imports torch and vLLM again, seconds per
+    worker for each of the suite's dozens of multi-rank engines. vLLM on CUDA forks its workers
+    where it can, so the tests fork them, but for those that keep the spawned path covered."""
+    check = CpuPlatform.check_and_update_config.__func__
 
-def _start_workers_as_asked(cls, vllm_config) -> None:
-    _cpu_config(cls, vllm_config)
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = WORKERS[0]
-
-
-CpuPlatform.check_and_update_config = classmethod(_start_workers_as_asked)
+    def check_then_choose(cls, vllm_config) -> None:
+        check(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
+    CpuPlatform.check_and_update_config = classmethod(check_then_choose)
 
 
 def reload_record(model: torch.nn.Module) -> dict:
@@ -151,7 +149,7 @@ def draft_report(worker, config) -> dict:
 
 def main() -> None:
     args = json.loads(sys.argv[1])
-    WORKERS[0] = args.get("workers", "fork")
+    start_workers_with(args.get("workers", "fork"))
     ranks = args["tp"] * args.get("pp", 1)
     if ranks > 1:       # one CPU list per rank; with data parallelism vLLM takes its DP rank's share of them
         ranks *= int(os.environ.get("VLLM_DP_SIZE", "1"))
