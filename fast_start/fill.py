@@ -51,13 +51,15 @@ class Worker:
     Raises `FillError` with one line naming both interpreters and both versions when the child
     does not speak this daemon's protocol. While `starting`, every second of a job extends
     systemd's start timeout. A job whose `Progress` has not advanced for `STALL_S` (silent, or
-    repeating itself), or whose frame stops half-way for `FRAME_S`, is declared hung; the child is
-    killed when the session closes, as on `stop`. Descriptors ride on `Filled` frames only: any
-    others are closed as they arrive.
+    repeating itself), or whose frame stops half-way for `FRAME_S`, is declared hung, as is one
+    that answers out of protocol: the child is killed when the session closes, as on `stop`, and
+    never given another job. Descriptors ride on `Filled` frames only: any others are closed as
+    they arrive.
     """
 
     def __init__(self, python: str, env: dict[str, str], stop: threading.Event, starting: bool = False):
         self.python, self.stop, self.starting = python, stop, starting
+        self.hung = False
         self.sock, theirs = socket.socketpair()
         try:
             # cwd "/": `python -m` puts the working directory first on sys.path, and the worker must
@@ -117,12 +119,12 @@ class Worker:
             advanced, done = time.monotonic(), -1
             while True:
                 if not self._wait(max(0.0, advanced + STALL_S - time.monotonic())):
-                    raise FillError(f"the fill made no progress for {STALL_S} s", "check the model's storage")
+                    raise self._declare_hung(f"the fill made no progress for {STALL_S} s", "check the model's storage")
                 try:
                     msg, got = protocol.recv(self.sock, allowed=REPORTS, frame_timeout=FRAME_S)
                 except protocol.ProtocolError as e:
-                    raise FillError(f"the fill worker {self.python} sent a bad frame: {e.what}",
-                                    "see the daemon's log; the worker is stopped") from None
+                    raise self._declare_hung(f"the fill worker {self.python} sent a bad frame: {e.what}",
+                                             "see the daemon's log; the worker is stopped") from None
                 if msg is None:
                     raise FillError(f"the fill worker exited with code {self.proc.wait()}",
                                     "see the traceback in the log")
@@ -134,8 +136,8 @@ class Worker:
                 if isinstance(msg, protocol.Error):
                     raise (ConfigError if msg.config else FillError)(msg.what, msg.fix)
                 if wrong:
-                    raise FillError(f"the fill worker {self.python} answered a {job.kind} with a {msg.kind}",
-                                    "see the daemon's log; the worker is stopped")
+                    raise self._declare_hung(f"the fill worker {self.python} answered a {job.kind} with a {msg.kind}",
+                                             "see the daemon's log; the worker is stopped")
                 if not isinstance(msg, protocol.Progress) or msg.done > done:
                     advanced, done = time.monotonic(), getattr(msg, "done", done)
                 yield msg, got
@@ -144,6 +146,10 @@ class Worker:
         except OSError as e:
             raise FillError(f"lost the fill worker: {e}", "see the daemon's log") from None
 
+    def _declare_hung(self, what: str, fix: str) -> FillError:
+        self.hung = True
+        return FillError(what, fix)
+
     def close(self) -> None:
         """End the session: the child sees the end of its stream and exits; a stuck one is killed."""
         try:
@@ -151,8 +157,8 @@ class Worker:
         except OSError:
             pass
         self.sock.close()
-        if self.stop.is_set():
-            self.proc.kill()          # mid-fill it would not look at its socket before it is done
+        if self.stop.is_set() or self.hung:
+            self.proc.kill()          # it would not look at its socket before it is done, if ever
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -175,7 +181,7 @@ class Workers:
 
     def get(self, python: str) -> Worker:
         w = self.sessions.get(python)
-        if w is None or w.proc.poll() is not None:
+        if w is None or w.hung or w.proc.poll() is not None:
             if w is not None:
                 w.close()
             w = self.sessions[python] = Worker(python, self.env, self.stop, self.starting)
