@@ -30,6 +30,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def engine_server(tmp_path_factory):
+    """One process that imported vLLM, forking the engines of every vLLM test module of this
+    session (tests/vllm_engine.py; the modules use it through vllm_support's `engines`)."""
+    import engine_server as server
+    engines = server.Engines(tmp_path_factory.mktemp("engines"), {**os.environ, **server.ENV})
+    yield engines
+    engines.close()
+
+
 @pytest.fixture(autouse=True)
 def private_socket_dir(tmp_path, monkeypatch):
     """No test sees the host's daemons: without a socket_dir, fetch and the CLI look here."""

@@ -1,8 +1,10 @@
-"""The client of `tests/vllm_engine.py --serve`: engines forked from one process that imported vLLM."""
+"""The client of `tests/vllm_engine.py --serve`: engines forked from one process that imported vLLM
+(one per test session: conftest.py's `engine_server`)."""
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -11,6 +13,10 @@ import time
 from pathlib import Path
 
 SERVER = Path(__file__).with_name("vllm_engine.py")
+# In-process engine core: the engines size their KV cache (vllm_engine.py). No torch.compile:
+# the engines run eager, yet vLLM compiles a few helpers with inductor as they are first called
+# (the vocabulary mask at TP > 1, grouped top-k), seconds in every rank of every engine here.
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCHDYNAMO_DISABLE": "1"}
 
 
 class Engines:
@@ -46,8 +52,12 @@ class Started:
     """One engine the server forked: `wait` its exit status as `subprocess.Popen.wait` would."""
 
     def __init__(self, conn: socket.socket):
-        self.conn, self.replies = conn, conn.makefile()
+        self.conn, self.replies = conn, conn.makefile("rb", buffering=0)     # a line at a time, no read-ahead
         self.pid = json.loads(self.replies.readline())["pid"]
+
+    def running(self) -> bool:
+        """Whether the engine has not exited yet: its exit status is not there to read."""
+        return not select.select([self.conn], [], [], 0)[0]
 
     def wait(self, timeout: float) -> int:
         self.conn.settimeout(timeout)

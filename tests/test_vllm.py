@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from probe import ask, evictions, status, wait_until
-from vllm_support import (ENV, PLUGINS, assert_same_weights, checkpoints, engines, run_data_parallel,  # noqa: F401
-                          run_engine, vllm, vllm_model, work)    # (fixtures: checkpoints, engines, work)
+from vllm_support import (PLUGINS, assert_same_weights, checkpoints, engines, run_data_parallel,  # noqa: F401
+                          run_engine, start_engine, vllm, vllm_model, work)    # (fixtures: checkpoints, engines, work)
 
 from devtools import synth
 from devtools.harness import Daemon, free_port, write_config
@@ -374,37 +374,32 @@ def test_hf_overrides_are_a_miss_since_the_fingerprint_reads_the_checkpoint(tmp_
 
 
 def test_openai_api_server_serves_from_the_cache(work, checkpoints, reference, cache):
-    port = free_port()
-    log = open(work / "api-server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoints["llama"]),
-         "--load-format", "fast_start", "--model-loader-extra-config",
-         json.dumps({"socket_dir": str(cache), "fallback": False}), "--skip-tokenizer-init",
-         "--max-model-len", "256", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20),
-         "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENV})
+    port, log = free_port(), work / "api-server.log"
+    server = start_engine({"api_server": [
+        "--model", str(checkpoints["llama"]), "--load-format", "fast_start", "--model-loader-extra-config",
+        json.dumps({"socket_dir": str(cache), "fallback": False}), "--skip-tokenizer-init", "--max-model-len", "256",
+        "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--host", "127.0.0.1", "--port", str(port)]}, log)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 300
         while True:
-            assert server.poll() is None, (work / "api-server.log").read_text()[-6000:]
             try:
                 urllib.request.urlopen(url + "/health", timeout=2)
                 break
             except OSError:
+                assert server.running(), log.read_text()[-6000:]
                 assert time.monotonic() < deadline, "api server not healthy in 300 s"
-                time.sleep(1)
-        body = {"model": str(checkpoints["llama"]), "prompt": reference["llama", 1]["prompts"][0], "max_tokens": 12, "temperature": 0,
-                "return_token_ids": True}
+                time.sleep(0.5)
+        body = {"model": str(checkpoints["llama"]), "prompt": reference["llama", 1]["prompts"][0], "max_tokens": 12,
+                "temperature": 0, "return_token_ids": True}
         req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         reply = json.loads(urllib.request.urlopen(req, timeout=60).read())
         assert reply["choices"][0]["token_ids"] == reference["llama", 1]["tokens"][0]
-        assert "from the cache (zero_copy)" in (work / "api-server.log").read_text()
+        assert "from the cache (zero_copy)" in log.read_text()
     finally:
-        server.terminate()
+        os.kill(server.pid, signal.SIGTERM)
         server.wait(60)
-        log.close()
 
 
 def test_register_is_idempotent_and_options_are_checked():

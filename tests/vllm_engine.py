@@ -13,6 +13,8 @@ and the greedy tokens for fixed prompts. `"engine"`: more of `LLM`'s arguments (
 `draft`). With `"reload": true`, vLLM's `reload_weights` then
 runs and the tokens and the report are taken again (`reloaded`). `"workers": "spawn"`: a
 multi-rank engine's workers spawned, as vLLM's CPU build does (by default they are forked).
+`{"api_server": ARGS}`: `python -m vllm.entrypoints.openai.api_server ARGS` instead, its engine
+core forked, until it is sent SIGTERM.
 
     python vllm_engine.py --serve SOCKET
 
@@ -25,9 +27,11 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import hashlib
 import json
 import os
+import runpy
 import signal
 import socket
 import sys
@@ -150,6 +154,10 @@ def draft_report(worker, config) -> dict:
 def main() -> None:
     args = json.loads(sys.argv[1])
     start_workers_with(args.get("workers", "fork"))
+    if "api_server" in args:    # `python -m vllm.entrypoints.openai.api_server ARGS` until it is stopped
+        sys.argv = ["api_server", *args["api_server"]]
+        runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+        return
     ranks = args["tp"] * args.get("pp", 1)
     if ranks > 1:       # one CPU list per rank; with data parallelism vLLM takes its DP rank's share of them
         ranks *= int(os.environ.get("VLLM_DP_SIZE", "1"))
@@ -185,6 +193,10 @@ def serve(path: str) -> None:
     listener.bind(path)
     listener.listen(16)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)       # reaps the children that wait for engines
+    # What the server imported stays out of every collection in its engines (vLLM collects as
+    # each rank shuts down): scanning it costs each forked process a copy of its heap.
+    gc.collect()
+    gc.freeze()
     sys.stdout.flush()
     sys.stderr.flush()
     while True:

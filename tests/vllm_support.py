@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import engine_server
+from engine_server import ENV
 from devtools import synth
 from devtools.harness import free_port
 
@@ -24,7 +25,6 @@ if os.environ.get("CI"):
 else:
     vllm = pytest.importorskip("vllm")
 
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}     # the engines size their KV cache (vllm_engine.py)
 # CPU attention needs head_dim >= 32; vocab 1000 is padded to 1024 by vLLM (and by the layout).
 SHAPES = {
     "llama": synth.Shape(hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32,
@@ -59,20 +59,20 @@ def run_engine(log: Path, model: Path, tp: int = 1, load_format: str = "auto", e
     return (json.loads(out.read_text()) if ok else None), text
 
 
-SERVER: list[engine_server.Engines] = []     # the test module's engine server (`engines`)
+SERVER: list[engine_server.Engines] = []     # the engine server of the module running (`engines`)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def engines(tmp_path_factory):
-    """One process that imported vLLM, forking every engine of this module (tests/vllm_engine.py)."""
-    SERVER.append(engine_server.Engines(tmp_path_factory.mktemp("engines"), {**os.environ, **ENV}))
+def engines(engine_server):
+    """The session's engine server (conftest.py), forking every engine of this module."""
+    SERVER.append(engine_server)
     yield
-    SERVER.pop().close()
+    SERVER.pop()
 
 
 def start_engine(args: dict, log: Path, env: dict | None = None) -> engine_server.Started:
     """`python tests/vllm_engine.py ARGS` with output to `log` and `env` added to ours, forked by
-    the module's engine server."""
+    the session's engine server."""
     return SERVER[0].start(args, {**os.environ, **ENV, **(env or {})}, log)
 
 
