@@ -23,7 +23,7 @@ import fast_start
 from fast_start import protocol
 from fast_start.transport import connect, request, stay_awake
 from fast_start.errors import CacheMiss
-from devtools.harness import write_config
+from devtools.harness import Daemon, write_config
 
 METHODS = ["none", "fp8", "fp8-channel", "fp8-block"]
 
@@ -71,31 +71,39 @@ def test_cache_fetch_is_bit_identical_to_disk_for_every_method_and_rank(tmp_path
                 assert torch.equal(raw(cache[name]), raw(disk[name])), (q, rank, name)
 
 
+@pytest.fixture(scope="module")
+def llama_cached(tmp_path_factory, llama):
+    """The socket folder of a daemon holding `llama` at TP 1 (the miss tests only ask it)."""
+    tmp = tmp_path_factory.mktemp("llama-cached")
+    daemon = Daemon(tmp, write_config(tmp / "fs.toml", tmp / "run", [model("llama", llama)]))
+    try:
+        daemon.wait_ready()
+        yield str(tmp / "run")
+    finally:
+        daemon.stop()
+
+
 @pytest.mark.parametrize("change,fields", [
     ({"engine_version": "other"}, {"engine_version"}),
     ({"dtype": "float16"}, {"dtype"}),
     ({"tensor_parallel_size": 2}, {"tensor_parallel_size"}),
 ])
-def test_mismatch_falls_back_to_disk_naming_the_fields(tmp_path, llama, daemons, caplog, change, fields):
-    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("llama", llama)])
-    daemons(cfg)
+def test_mismatch_falls_back_to_disk_naming_the_fields(llama, llama_cached, caplog, change, fields):
     spec = fast_start.WeightSpec(str(llama), engine_version="test")
     spec = spec._replace(**change)
     with caplog.at_level(logging.WARNING, logger="fast_start"):
-        w = fast_start.fetch(spec, socket_dir=str(tmp_path / "run"))
+        w = fast_start.fetch(spec, socket_dir=llama_cached)
     assert w.source == "disk"
     assert any(f"differing fields: {', '.join(sorted(fields))}" in r.getMessage() for r in caplog.records), caplog.text
     with pytest.raises(CacheMiss) as err:
-        fast_start.fetch(spec, socket_dir=str(tmp_path / "run"), fallback=False)
+        fast_start.fetch(spec, socket_dir=llama_cached, fallback=False)
     assert set(err.value.fields) == fields
 
 
-def test_different_checkpoint_is_a_miss_on_the_checkpoint_field(tmp_path, llama, llama_tied, daemons):
-    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("llama", llama)])
-    daemons(cfg)
+def test_different_checkpoint_is_a_miss_on_the_checkpoint_field(llama_tied, llama_cached):
     with pytest.raises(CacheMiss) as err:
         fast_start.fetch(fast_start.WeightSpec(str(llama_tied), engine_version="test"),
-                         socket_dir=str(tmp_path / "run"), fallback=False)
+                         socket_dir=llama_cached, fallback=False)
     assert "checkpoint" in err.value.fields
 
 

@@ -114,10 +114,14 @@ def cache(work, checkpoints, fp8_checkpoints, reference):
                    for name, path, tp, more in models
                    if node < tp * more.get("pipeline_parallel_size", 1) * more.get("data_parallel_size", 1)]
         config = write_config(work / f"node{node}.toml", run, entries, arena_chunk="256KiB")    # many arenas
-        daemons.append(Daemon(work, config, node, env=PLUGINS).wait_ready())
-    yield run
-    for d in daemons:
-        d.stop()
+        daemons.append(Daemon(work, config, node, env=PLUGINS))
+    try:
+        for d in daemons:
+            d.wait_ready()
+        yield run
+    finally:
+        for d in daemons:
+            d.stop()
 
 
 
@@ -347,14 +351,18 @@ def test_a_models_moe_backend_is_the_fills_and_an_engine_choosing_another_misses
     assert "CacheMiss" in log and "engine_options" in log
 
 
-@pytest.fixture
-def stale_cache(tmp_path, checkpoints, daemons):
+@pytest.fixture(scope="module")
+def stale_cache(work, checkpoints):
     """A daemon prewarmed for another vLLM version."""
-    run = tmp_path / "run"
-    daemons(write_config(tmp_path / "fs.toml", run, [
+    run = work / "run-stale"
+    daemon = Daemon(work, write_config(work / "stale.toml", run, [
         {"name": "llama", "path": str(checkpoints["llama"]), "gpus": [0], "layout": "vllm",
          "engine_version": "0.31.0"}]))
-    return run
+    try:
+        daemon.wait_ready()
+        yield run
+    finally:
+        daemon.stop()
 
 
 def test_fallback_false_raises_the_miss_naming_the_differing_field(tmp_path, checkpoints, stale_cache):
@@ -463,11 +471,29 @@ def test_online_fp8_at_tp2_is_refused_when_the_config_loads(tmp_path, checkpoint
         configs.load(path)
 
 
+@pytest.fixture(scope="module")
+def fp8_fills(work, fp8_checkpoints):
+    """The socket folder of a daemon holding block-FP8 Qwen3 as the test plugin's kernel `variant`
+    processed it in the fill (FAST_START_TEST_FP8), started when first asked."""
+    started: dict[str, tuple[Path, Daemon]] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in started:
+            run = work / f"run-fp8-{variant}"
+            config = write_config(work / f"fp8-{variant}.toml", run, [vllm_model("q", fp8_checkpoints["qwen3"], [0])])
+            started[variant] = run, Daemon(work, config, env={**PLUGINS, "FAST_START_TEST_FP8": variant})
+            started[variant][1].wait_ready()
+        return started[variant][0]
+    yield get
+    for _, daemon in started.values():
+        daemon.stop()
+
+
 @pytest.mark.parametrize("variant,filled_with,hit", [("other", "plain", False), ("gap", "gap", False),
                                                      ("mended", "mended", True), ("table", "table", True),
                                                      ("table", "plain", False)])
 def test_kernel_plan_and_signature_decide_between_cache_and_default_loader(tmp_path, fp8_checkpoints, fp8_reference,
-                                                                           daemons, variant, filled_with, hit):
+                                                                           fp8_fills, variant, filled_with, hit):
     """"other": the engine chose another kernel than the fill (plan differs); "gap": processing set
     state that vLLM's pre-processed pass does not rebuild (signature differs); "mended": it set
     the two attributes vLLM 0.30-0.33's pass is known to leave unset, which the plugin restores;
@@ -478,9 +504,7 @@ def test_kernel_plan_and_signature_decide_between_cache_and_default_loader(tmp_p
     path = fp8_checkpoints["qwen3"]
     engine_env = {**PLUGINS, "FAST_START_TEST_FP8": variant}
     want = fp8_reference("qwen3", 1)     # the variants differ in Python-side state only, not in bytes
-    run = tmp_path / "run"
-    daemons(write_config(tmp_path / "fs.toml", run, [vllm_model("q", path, [0])]),
-            env={**PLUGINS, "FAST_START_TEST_FP8": filled_with})
+    run = fp8_fills(filled_with)
     got, log = run_engine(tmp_path / "fs.log", path, 1, "fast_start", {"socket_dir": str(run)}, env=engine_env)
     assert got["tokens"] == want["tokens"]
     assert [r["final"] for r in got["ranks"]] == [r["final"] for r in want["ranks"]]

@@ -1,6 +1,5 @@
-"""vLLM's expert layouts: round-robin expert placement (daemons of its own), TP x DP with
-experts, and an expert-parallel engine where the daemons hold ranks without it (those two share
-four daemons).
+"""vLLM's expert layouts: round-robin expert placement, TP x DP with experts, and an
+expert-parallel engine where the daemons hold ranks without it, all served by four daemons.
 
 The engines and reports are those of test_vllm.py (tests/vllm_support.py); these tests need
 none of its module-wide cache, so they run apart from it (`make test` runs modules in parallel).
@@ -8,6 +7,7 @@ none of its module-wide cache, so they run apart from it (`make test` runs modul
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -35,30 +35,47 @@ def grouped_moe(folder: Path) -> Path:
     return folder
 
 
-def test_round_robin_experts_of_a_grouped_model_are_served_and_linear_misses(tmp_path):
-    """GLM-4-MoE (expert groups) at TP 2 with EP placed round-robin: rank r holds experts r, r+2, …
-    Both ranks come from the cache with the default loader's weights and tokens. An engine that
-    places them linearly misses naming `expert_parallel` (other experts per rank) and loads with
-    vLLM's default loader."""
-    model, run = grouped_moe(tmp_path / "glm4-moe"), tmp_path / "run"
-    round_robin = {"enable_expert_parallel": True, "expert_placement_strategy": "round_robin"}
-    config = write_config(tmp_path / "fs.toml", run, [vllm_model("glm-ep2-rr", model, [0, 1], tensor_parallel_size=2,
-                                                                **round_robin)])
-    daemons = [Daemon(tmp_path, config, g, env=PLUGINS) for g in (0, 1)]
+ROUND_ROBIN = {"enable_expert_parallel": True, "expert_placement_strategy": "round_robin"}
+
+
+@pytest.fixture(scope="module")
+def four_daemons(work, checkpoints):
+    """Four daemons (GPU slots 0-3) holding Qwen3-MoE twice: TP 2 x DP 2 with expert parallelism
+    over all four, and TP 2 without it on slots 0 and 1; and on slots 0 and 1 GLM-4-MoE at TP 2
+    with its experts placed round-robin. (The socket folder, and GLM-4-MoE's checkpoint.)"""
+    run, glm = work / "run-experts", grouped_moe(work / "glm4-moe")
+    config = write_config(work / "experts.toml", run, [
+        vllm_model("moe-tp2-dp2-ep", checkpoints["qwen3-moe"], [0, 1, 2, 3], tensor_parallel_size=2,
+                   data_parallel_size=2, enable_expert_parallel=True),
+        vllm_model("moe-tp2", checkpoints["qwen3-moe"], [0, 1], tensor_parallel_size=2),
+        vllm_model("glm-ep2-rr", glm, [0, 1], tensor_parallel_size=2, **ROUND_ROBIN)])
+    daemons = [Daemon(work, config, g, env=PLUGINS) for g in range(4)]
     try:
         for d in daemons:
             d.wait_ready()
-        want, default_log = run_engine(tmp_path / "default-rr.log", model, 2, env=PLUGINS, engine=round_robin)
-        got, log = run_engine(tmp_path / "fs-rr.log", model, 2, "fast_start", {"socket_dir": str(run), "fallback": False},
-                              env=PLUGINS, engine=round_robin)
-        linear, linear_log = run_engine(tmp_path / "fs-linear.log", model, 2, "fast_start", {"socket_dir": str(run)},
-                                        env=PLUGINS, engine={"enable_expert_parallel": True})
-        want_linear, _ = run_engine(tmp_path / "default-linear.log", model, 2, env=PLUGINS,
-                                    engine={"enable_expert_parallel": True})
+        yield run, glm
     finally:
         for d in daemons:
             d.stop()
+
+
+def test_round_robin_experts_of_a_grouped_model_are_served_and_linear_misses(tmp_path, four_daemons):
+    """GLM-4-MoE (expert groups) at TP 2 with EP placed round-robin: rank r holds experts r, r+2, …
+    Both ranks come from the cache with the default loader's weights and tokens. An engine that
+    places them linearly misses naming `expert_parallel` (other experts per rank) and loads with
+    vLLM's default loader. The engine that loads from the cache spawns its workers, as vLLM's CPU
+    build does (the others fork theirs): each imports the loader and the test plugins afresh."""
+    run, model = four_daemons
+    want, default_log = run_engine(tmp_path / "default-rr.log", model, 2, env=PLUGINS, engine=ROUND_ROBIN)
+    got, log = run_engine(tmp_path / "fs-rr.log", model, 2, "fast_start", {"socket_dir": str(run), "fallback": False},
+                          env=PLUGINS, engine=ROUND_ROBIN, workers="spawn")
+    linear, linear_log = run_engine(tmp_path / "fs-linear.log", model, 2, "fast_start", {"socket_dir": str(run)},
+                                    env=PLUGINS, engine={"enable_expert_parallel": True})
+    want_linear, _ = run_engine(tmp_path / "default-linear.log", model, 2, env=PLUGINS,
+                                engine={"enable_expert_parallel": True})
     assert "Expert placement strategy: round_robin" in default_log and "Expert placement strategy: round_robin" in log
+    spawned = re.findall(r"\((VllmWorker-\d) pid=\d+\) .*Registered model loader .*FastStartLoader", log)
+    assert set(spawned) == {"VllmWorker-0", "VllmWorker-1"}       # each worker registered the loader itself
     assert_same_weights(got, want)
     assert [r["source"] for r in got["ranks"]] == ["cache"] * 2
     assert_same_weights(linear, want_linear)
@@ -68,25 +85,6 @@ def test_round_robin_experts_of_a_grouped_model_are_served_and_linear_misses(tmp
     assert experts[0] != experts[1] and experts[0] != experts[2]      # each rank its own; placements differ
 
 
-@pytest.fixture(scope="module")
-def four_daemons(work, checkpoints):
-    """Four daemons (GPU slots 0-3) holding Qwen3-MoE twice: TP 2 x DP 2 with expert parallelism
-    over all four, and TP 2 without it on slots 0 and 1."""
-    run = work / "run-experts"
-    config = write_config(work / "experts.toml", run, [
-        vllm_model("moe-tp2-dp2-ep", checkpoints["qwen3-moe"], [0, 1, 2, 3], tensor_parallel_size=2,
-                   data_parallel_size=2, enable_expert_parallel=True),
-        vllm_model("moe-tp2", checkpoints["qwen3-moe"], [0, 1], tensor_parallel_size=2)])
-    daemons = [Daemon(work, config, g, env=PLUGINS) for g in range(4)]
-    try:
-        for d in daemons:
-            d.wait_ready()
-        yield run
-    finally:
-        for d in daemons:
-            d.stop()
-
-
 def test_tp2_dp2_expert_ranks_are_served_by_four_daemons(tmp_path, checkpoints, four_daemons):
     """Qwen3-MoE at TP 2 × DP 2 with expert parallelism: two engine processes of two workers each,
     each of the four ranks served by its own daemon (GPU slot k: DP rank k // 2, TP rank k % 2)
@@ -94,7 +92,7 @@ def test_tp2_dp2_expert_ranks_are_served_by_four_daemons(tmp_path, checkpoints, 
     engine = {"enable_expert_parallel": True}
     want = run_data_parallel(tmp_path, "default", checkpoints["qwen3-moe"], engine=engine, tp=2)
     got = run_data_parallel(tmp_path, "fs", checkpoints["qwen3-moe"], "fast_start",
-                            {"socket_dir": str(four_daemons), "fallback": False}, engine, tp=2)
+                            {"socket_dir": str(four_daemons[0]), "fallback": False}, engine, tp=2)
     for g, w in zip(got, want):
         assert_same_weights(g, w)
         assert [r["source"] for r in g["ranks"]] == ["cache", "cache"]
@@ -111,7 +109,7 @@ def test_an_expert_parallel_engine_where_the_cache_holds_ranks_without_it_misses
     engine = {"enable_expert_parallel": True}
     want, _ = run_engine(tmp_path / "default-ep2.log", checkpoints["qwen3-moe"], 2, env=PLUGINS, engine=engine)
     got, log = run_engine(tmp_path / "fs-ep2.log", checkpoints["qwen3-moe"], 2, "fast_start",
-                          {"socket_dir": str(four_daemons)}, env=PLUGINS, engine=engine)
+                          {"socket_dir": str(four_daemons[0])}, env=PLUGINS, engine=engine)
     assert_same_weights(got, want)
     assert [r["source"] for r in got["ranks"]] == [None] * 2
     assert "differing fields: expert_parallel); loading with vLLM's default loader" in log

