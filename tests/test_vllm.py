@@ -472,12 +472,15 @@ def test_online_fp8_at_tp2_is_refused_when_the_config_loads(tmp_path, checkpoint
 
 
 @pytest.fixture(scope="module")
-def fp8_fills(work, fp8_checkpoints):
+def fp8_fills(work, fp8_checkpoints, cache):
     """The socket folder of a daemon holding block-FP8 Qwen3 as the test plugin's kernel `variant`
-    processed it in the fill (FAST_START_TEST_FP8), started when first asked."""
+    processed it in the fill (FAST_START_TEST_FP8): "plain", the plugin's default, is the module's
+    cache; another variant's daemon is started when first asked."""
     started: dict[str, tuple[Path, Daemon]] = {}
 
     def get(variant: str) -> Path:
+        if variant == "plain":
+            return cache
         if variant not in started:
             run = work / f"run-fp8-{variant}"
             config = write_config(work / f"fp8-{variant}.toml", run, [vllm_model("q", fp8_checkpoints["qwen3"], [0])])
