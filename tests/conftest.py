@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def engine_server(tmp_path_factory):
+def session_engines(tmp_path_factory):
     """One process that imported vLLM, forking the engines of every vLLM test module of this
     session (tests/vllm_engine.py; the modules use it through vllm_support's `engines`)."""
     import engine_server as server

@@ -1,5 +1,5 @@
 """The client of `tests/vllm_engine.py --serve`: engines forked from one process that imported vLLM
-(one per test session: conftest.py's `engine_server`)."""
+(one per test session: conftest.py's `session_engines`)."""
 from __future__ import annotations
 
 import json

@@ -63,9 +63,9 @@ SERVER: list[engine_server.Engines] = []     # the engine server of the module r
 
 
 @pytest.fixture(scope="module", autouse=True)
-def engines(engine_server):
+def engines(session_engines):
     """The session's engine server (conftest.py), forking every engine of this module."""
-    SERVER.append(engine_server)
+    SERVER.append(session_engines)
     yield
     SERVER.pop()
 
