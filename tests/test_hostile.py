@@ -172,7 +172,8 @@ def job(small) -> protocol.FillJob:
                                         ("repeat", "the fill made no progress for 3 s")])
 def test_a_worker_stalled_mid_frame_or_repeating_its_progress_is_declared_hung(tmp_path, small, monkeypatch,
                                                                              mode, error):
-    """A worker declared hung is killed as its session ends, not waited for, and never reused."""
+    """A worker declared hung is killed as its session ends (not left 10 s to exit on its own) and
+    is never given another job."""
     monkeypatch.setattr(fill, "FRAME_S", 1)
     monkeypatch.setattr(fill, "STALL_S", 3)
     with fill.Workers(fill.worker_env(1), threading.Event()) as workers:
