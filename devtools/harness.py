@@ -6,6 +6,7 @@ socket existed when it arrived); `Daemon` runs `fast-start daemon --gpu N` with 
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import resource
@@ -170,3 +171,15 @@ class Daemon:
                 self.proc.wait()
         self.listener.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def serving(*daemons: Daemon):
+    """Daemons started together: each waited for until ready, all stopped on the way out."""
+    try:
+        for d in daemons:
+            d.wait_ready()
+        yield daemons
+    finally:
+        for d in daemons:
+            d.stop()

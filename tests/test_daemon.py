@@ -23,7 +23,7 @@ import fast_start
 from fast_start import protocol
 from fast_start.transport import connect, request, stay_awake
 from fast_start.errors import CacheMiss
-from devtools.harness import Daemon, write_config
+from devtools.harness import Daemon, serving, write_config
 
 METHODS = ["none", "fp8", "fp8-channel", "fp8-block"]
 
@@ -75,12 +75,8 @@ def test_cache_fetch_is_bit_identical_to_disk_for_every_method_and_rank(tmp_path
 def llama_cached(tmp_path_factory, llama):
     """The socket folder of a daemon holding `llama` at TP 1 (the miss tests only ask it)."""
     tmp = tmp_path_factory.mktemp("llama-cached")
-    daemon = Daemon(tmp, write_config(tmp / "fs.toml", tmp / "run", [model("llama", llama)]))
-    try:
-        daemon.wait_ready()
+    with serving(Daemon(tmp, write_config(tmp / "fs.toml", tmp / "run", [model("llama", llama)]))):
         yield str(tmp / "run")
-    finally:
-        daemon.stop()
 
 
 @pytest.mark.parametrize("change,fields", [

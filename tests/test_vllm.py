@@ -27,7 +27,7 @@ from vllm_support import (PLUGINS, assert_same_weights, checkpoints, engines, ru
                           run_engine, start_engine, vllm, vllm_model, work)    # (fixtures: checkpoints, engines, work)
 
 from devtools import synth
-from devtools.harness import Daemon, free_port, write_config
+from devtools.harness import Daemon, free_port, serving, write_config
 import fast_start
 from fast_start import protocol
 
@@ -115,13 +115,8 @@ def cache(work, checkpoints, fp8_checkpoints, reference):
                    if node < tp * more.get("pipeline_parallel_size", 1) * more.get("data_parallel_size", 1)]
         config = write_config(work / f"node{node}.toml", run, entries, arena_chunk="256KiB")    # many arenas
         daemons.append(Daemon(work, config, node, env=PLUGINS))
-    try:
-        for d in daemons:
-            d.wait_ready()
+    with serving(*daemons):
         yield run
-    finally:
-        for d in daemons:
-            d.stop()
 
 
 
@@ -355,14 +350,10 @@ def test_a_models_moe_backend_is_the_fills_and_an_engine_choosing_another_misses
 def stale_cache(work, checkpoints):
     """A daemon prewarmed for another vLLM version."""
     run = work / "run-stale"
-    daemon = Daemon(work, write_config(work / "stale.toml", run, [
-        {"name": "llama", "path": str(checkpoints["llama"]), "gpus": [0], "layout": "vllm",
-         "engine_version": "0.31.0"}]))
-    try:
-        daemon.wait_ready()
+    with serving(Daemon(work, write_config(work / "stale.toml", run, [
+            {"name": "llama", "path": str(checkpoints["llama"]), "gpus": [0], "layout": "vllm",
+             "engine_version": "0.31.0"}]))):
         yield run
-    finally:
-        daemon.stop()
 
 
 def test_fallback_false_raises_the_miss_naming_the_differing_field(tmp_path, checkpoints, stale_cache):

@@ -16,7 +16,7 @@ import torch
 from vllm_support import (PLUGINS, assert_same_weights, checkpoints, engines, run_data_parallel,  # noqa: F401
                           run_engine, vllm_model, work)    # (fixtures: checkpoints, engines, work)
 
-from devtools.harness import Daemon, write_config
+from devtools.harness import Daemon, serving, write_config
 
 pytestmark = pytest.mark.slow      # each test runs vLLM engines and four daemons
 
@@ -49,14 +49,8 @@ def four_daemons(work, checkpoints):
                    data_parallel_size=2, enable_expert_parallel=True),
         vllm_model("moe-tp2", checkpoints["qwen3-moe"], [0, 1], tensor_parallel_size=2),
         vllm_model("glm-ep2-rr", glm, [0, 1], tensor_parallel_size=2, **ROUND_ROBIN)])
-    daemons = [Daemon(work, config, g, env=PLUGINS) for g in range(4)]
-    try:
-        for d in daemons:
-            d.wait_ready()
+    with serving(*(Daemon(work, config, g, env=PLUGINS) for g in range(4))):
         yield run, glm
-    finally:
-        for d in daemons:
-            d.stop()
 
 
 def test_round_robin_experts_of_a_grouped_model_are_served_and_linear_misses(tmp_path, four_daemons):

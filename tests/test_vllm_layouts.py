@@ -12,7 +12,7 @@ from probe import ask
 from vllm_support import (PLUGINS, assert_same_weights, checkpoints, engines, run_data_parallel,  # noqa: F401
                           run_engine, vllm_model, work)    # (fixtures: checkpoints, engines, work)
 
-from devtools.harness import Daemon, write_config
+from devtools.harness import Daemon, serving, write_config
 from fast_start import protocol
 
 pytestmark = pytest.mark.slow      # each test runs vLLM engines and four daemons
@@ -25,13 +25,9 @@ def test_a_dp_rank_no_daemon_holds_misses_naming_it_and_loads_the_default_loader
     run, engine = tmp_path / "run", {"enable_expert_parallel": True}
     model = vllm_model("moe-dp2-ep", checkpoints["qwen3-moe"], [0, 1], data_parallel_size=2,
                        enable_expert_parallel=True)
-    daemon = Daemon(tmp_path, write_config(tmp_path / "fs.toml", run, [model]), 0, env=PLUGINS)
-    try:
-        daemon.wait_ready()
+    with serving(Daemon(tmp_path, write_config(tmp_path / "fs.toml", run, [model]), 0, env=PLUGINS)):
         want = run_data_parallel(tmp_path, "default", checkpoints["qwen3-moe"], engine=engine)
         got = run_data_parallel(tmp_path, "fs", checkpoints["qwen3-moe"], "fast_start", {"socket_dir": str(run)}, engine)
-    finally:
-        daemon.stop()
     for g, w in zip(got, want):
         assert_same_weights(g, w)
     assert [g["ranks"][0]["source"] for g in got] == ["cache", None]
@@ -52,13 +48,8 @@ def two_nodes(work, checkpoints):
             vllm_model("llama-tp2-pp2", checkpoints["llama"], gpus, tensor_parallel_size=2, pipeline_parallel_size=2,
                        rank_offset=2 * node)])
         daemons += [Daemon(work, config, g, env=PLUGINS) for g in gpus]
-    try:
-        for d in daemons:
-            d.wait_ready()
+    with serving(*daemons):
         yield run, daemons
-    finally:
-        for d in daemons:
-            d.stop()
 
 
 def test_tp4_over_two_nodes_each_served_by_its_own_daemons(tmp_path, checkpoints, two_nodes):
