@@ -30,6 +30,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def vllm_ipc_dir():
+    """vLLM binds its ZeroMQ sockets in VLLM_RPC_BASE_PATH (the temp dir by default), and an engine
+    that ends without closing them leaves them behind: hundreds a session. This session's go in a
+    directory of its own, removed at its end."""
+    path = tempfile.mkdtemp(prefix="fast-start-ipc-")
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def session_engines(tmp_path_factory):
     """One process that imported vLLM, forking the engines of every vLLM test module of this
