@@ -320,6 +320,7 @@ def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint 
                     engine_version: str = typer.Option("", "--engine-version"),
                     pp: int = typer.Option(1, "--pp", help="pipeline stages (engine vllm); --rank is the global rank"),
                     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="engine vllm"),
+                    moe_backend: str = typer.Option("auto", "--moe-backend", help="engine vllm"),
                     dp: int = typer.Option(1, "--dp", help="data-parallel ranks (engine vllm)"),
                     dp_rank: int = typer.Option(0, "--dp-rank", help="this engine's DP rank"),
                     ep: bool = typer.Option(False, "--ep", help="the engine's --enable-expert-parallel (engine vllm)"),
@@ -334,7 +335,8 @@ def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint 
     m = configs.ModelConfig(name="fingerprint", path=str(model.absolute()), gpus=(0,), tensor_parallel_size=tp,
                             dtype=dtype, quantization=quantization, engine=engine, layout=layout, revision=revision,
                             engine_version=engine_version, pipeline_parallel_size=pp, kv_cache_dtype=kv_cache_dtype,
-                            data_parallel_size=dp, enable_expert_parallel=ep, expert_placement_strategy=placement)
+                            moe_backend=moe_backend, data_parallel_size=dp, enable_expert_parallel=ep,
+                            expert_placement_strategy=placement)
     configs.check_model(m, "fingerprint:", check_paths=True, names=FLAGS)
     ranks = tp * pp
     if not 0 <= rank < ranks:
@@ -357,7 +359,7 @@ FLAGS = {"tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp", "dtyp
          "engine": "--engine",
          "quantization": "--quantization", "engine_version": "--engine-version", "path": "--model",
          "data_parallel_size": "--dp", "enable_expert_parallel": "--ep", "expert_placement_strategy": "--expert-placement",
-         "kv_cache_dtype": "--kv-cache-dtype", "revision": "--revision"}
+         "kv_cache_dtype": "--kv-cache-dtype", "moe_backend": "--moe-backend", "revision": "--revision"}
 
 
 def _check_tp(folder: Path, tp: int, name: str) -> None:

@@ -70,9 +70,9 @@ class ModelConfig:
     engine_version: str = ""                # "auto": the engine's version in the worker's environment
     python: str = ""                        # this model's worker interpreter; "" = worker_python
     pipeline_parallel_size: int = 1         # ranks are global: pp_rank * tensor_parallel_size + tp_rank
-    kv_cache_dtype: str = "auto"            # vLLM: the engine's --kv-cache-dtype
-    moe_backend: str = "auto"               # vLLM: the engine's --moe-backend
-    engine_env: tuple[str, ...] = ()        # vLLM: the engine's kernel-selecting VLLM_* variables
+    kv_cache_dtype: str = "auto"            # the engine's KV-cache dtype (vLLM: --kv-cache-dtype)
+    moe_backend: str = "auto"               # the engine's MoE kernels (vLLM: --moe-backend)
+    engine_env: tuple[str, ...] = ()        # the engine's kernel-selecting variables ("NAME=VALUE")
     data_parallel_size: int = 1             # an engine's data parallel size
     enable_expert_parallel: bool = False    # an engine's expert parallelism
     expert_placement_strategy: str = "linear"   # ... and its placement of experts
@@ -294,9 +294,10 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
     engine = m.filler
     for key, off in engines.ENGINE_KEYS.items():
         if getattr(m, key) != off and engine is None:
-            bad(key, f"is {getattr(m, key)!r} for a model no engine fills",
-                f"an engine's settings (pipeline stages, data and expert parallelism, its MoE backend) "
-                f"are cached for {_by_engine()} only")
+            value = getattr(m, key)
+            bad(key, f"is {list(value) if isinstance(value, tuple) else value!r} for a model no engine fills",
+                f"remove it, or set {_by_engine()}: pipeline stages, data and expert parallelism, the KV-cache "
+                f"dtype, MoE backend and kernel variables are an engine's settings")
     ranks = m.tensor_parallel_size * m.pipeline_parallel_size * m.data_parallel_size
     if m.rank_offset < 0 or m.rank_offset + len(m.gpus) > ranks:
         bad("rank_offset", f"{m.rank_offset} with {len(m.gpus)} GPUs serves ranks beyond {ranks - 1}",

@@ -101,6 +101,10 @@ def test_parse_bytes(text, total, want):
     ({"quantization": "gptq"}, "vLLM quantization 'gptq' is not verified for caching"),
     ({"moe_backend": "Marlin"}, "key 'moe_backend' is 'Marlin'"),
     ({"moe_backend": "marlin", "layout": "hf"}, "key 'moe_backend' is 'marlin' for a model no engine fills"),
+    ({"kv_cache_dtype": "fp8", "layout": "hf"}, "key 'kv_cache_dtype' is 'fp8' for a model no engine fills"),
+    ({"engine_env": ["VLLM_USE_DEEP_GEMM=0"], "layout": "hf"},
+     "key 'engine_env' is ['VLLM_USE_DEEP_GEMM=0'] for a model no engine fills"),
+    ({"kv_cache_dtype": "FP8"}, "key 'kv_cache_dtype' is 'FP8'"),
 ])
 def test_vllm_model_keys_are_checked(small, tmp_path, model, message):
     """A vLLM model's PP, DP and EP settings, ranks, kernel variables and quantization are refused with the fix."""

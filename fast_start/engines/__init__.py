@@ -26,7 +26,8 @@ from .vllm import ENGINE as _VLLM
 # [[model]] keys that only an engine fills (fast-start's own tables shard by TP alone), each with
 # the value that means "off".
 ENGINE_KEYS = {"pipeline_parallel_size": 1, "data_parallel_size": 1, "enable_expert_parallel": False,
-               "expert_placement_strategy": "linear", "moe_backend": "auto"}
+               "expert_placement_strategy": "linear", "kv_cache_dtype": "auto", "moe_backend": "auto",
+               "engine_env": ()}
 
 
 class Engine(Protocol):

@@ -31,6 +31,8 @@ class VllmEngine:
             rules.parse_env(model.engine_env, model.name)
         except QuantizationError as e:
             yield "engine_env", f"is {list(model.engine_env)}: {e.what}", e.fix
+        if not rules.BACKEND.fullmatch(model.kv_cache_dtype):
+            yield "kv_cache_dtype", f"is {model.kv_cache_dtype!r}", "use the name vLLM's --kv-cache-dtype takes, e.g. \"fp8\""
         if not rules.BACKEND.fullmatch(model.moe_backend):
             yield "moe_backend", f"is {model.moe_backend!r}", "use the name vLLM's --moe-backend takes, e.g. \"marlin\""
         if model.expert_placement_strategy not in rules.PLACEMENTS:

@@ -92,7 +92,7 @@ def expert_parallel(enabled: bool, placement: str, tensor_parallel_size: int, da
     return placement if enabled and tensor_parallel_size * data_parallel_size > 1 else ""
 
 
-BACKEND = re.compile(r"[a-z][a-z0-9_]*")      # how vLLM names its MoE backends ("auto", "marlin")
+BACKEND = re.compile(r"[a-z][a-z0-9_]*")      # how vLLM names MoE backends and KV-cache dtypes ("marlin", "fp8")
 
 
 def engine_options(environ: dict[str, str], kv_cache_dtype: str, pipeline_parallel_size: int,
