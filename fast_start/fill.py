@@ -53,13 +53,14 @@ class Worker:
     systemd's start timeout. A job whose `Progress` has not advanced for `STALL_S` (silent, or
     repeating itself), or whose frame stops half-way for `FRAME_S`, is declared hung, as is one
     that answers out of protocol: the child is killed when the session closes, as on `stop`, and
-    never given another job. Descriptors ride on `Filled` frames only: any others are closed as
-    they arrive.
+    never given another job. So is one `busy` with a job whose answer nobody read to its end (its
+    caller failed mid-fill): its stream is out of step. Descriptors ride on `Filled` frames only:
+    any others are closed as they arrive.
     """
 
     def __init__(self, python: str, env: dict[str, str], stop: threading.Event, starting: bool = False):
         self.python, self.stop, self.starting = python, stop, starting
-        self.hung = False
+        self.hung = self.busy = False
         self.sock, theirs = socket.socketpair()
         try:
             # cwd "/": `python -m` puts the working directory first on sys.path, and the worker must
@@ -115,6 +116,7 @@ class Worker:
     def run(self, job, fds: list[int] = ()) -> Iterator[tuple[object, list[int]]]:
         """Send `job` (with `fds`), yield its reports up to and including the final one."""
         try:
+            self.busy = True
             protocol.send(self.sock, job, fds)
             advanced, done = time.monotonic(), -1
             while True:
@@ -128,16 +130,20 @@ class Worker:
                 if msg is None:
                     raise FillError(f"the fill worker exited with code {self.proc.wait()}",
                                     "see the traceback in the log")
-                wrong = isinstance(msg, FINAL) and not isinstance(msg, ANSWER[job.kind])
+                other = getattr(msg, "model", job.model) != job.model       # an Error names none
+                wrong = other or isinstance(msg, FINAL) and not isinstance(msg, ANSWER[job.kind])
                 if got and (wrong or not isinstance(msg, protocol.Filled)):
                     for fd in got:
                         os.close(fd)
                     got = []
                 if isinstance(msg, protocol.Error):
+                    self.busy = False
                     raise (ConfigError if msg.config else FillError)(msg.what, msg.fix)
                 if wrong:
-                    raise self._declare_hung(f"the fill worker {self.python} answered a {job.kind} with a {msg.kind}",
+                    raise self._declare_hung(f"the fill worker {self.python} answered {job.model!r}'s {job.kind} with "
+                                             f"a {msg.kind}" + (f" on {msg.model!r}" if other else ""),
                                              "see the daemon's log; the worker is stopped")
+                self.busy = not isinstance(msg, FINAL)
                 if not isinstance(msg, protocol.Progress) or msg.done > done:
                     advanced, done = time.monotonic(), getattr(msg, "done", done)
                 yield msg, got
@@ -157,7 +163,7 @@ class Worker:
         except OSError:
             pass
         self.sock.close()
-        if self.stop.is_set() or self.hung:
+        if self.stop.is_set() or self.hung or self.busy:
             self.proc.kill()          # it would not look at its socket before it is done, if ever
         try:
             self.proc.wait(10)
@@ -181,7 +187,7 @@ class Workers:
 
     def get(self, python: str) -> Worker:
         w = self.sessions.get(python)
-        if w is None or w.hung or w.proc.poll() is not None:
+        if w is None or w.hung or w.busy or w.proc.poll() is not None:
             if w is not None:
                 w.close()
             w = self.sessions[python] = Worker(python, self.env, self.stop, self.starting)

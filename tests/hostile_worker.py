@@ -3,6 +3,7 @@
 `python tests/hostile_worker.py MODE FD` says a proper hello on the socket FD, then per job:
 - `stall`: the first 2 bytes of a frame, then nothing;
 - `repeat`: the same Progress frame ten times a second, for ever;
+- `other`: a Progress frame on another model, then nothing;
 - `fds`: the real worker's answers, with a descriptor of /dev/null on every Progress and Checked;
 - `count`: the real worker's answers, but `Filled` without its arena descriptors.
 """
@@ -31,6 +32,9 @@ protocol.send(sock, protocol.WorkerHello(protocol.VERSION, __version__, sys.exec
 job, _ = protocol.recv(sock, allowed=protocol.JOBS)
 if mode == "stall":
     sock.sendall(protocol.encode(protocol.Progress(job.model, 0, 1, 2))[:2])
+    time.sleep(3600)
+if mode == "other":
+    protocol.send(sock, protocol.Progress("another", 0, 1, 2))
     time.sleep(3600)
 while mode == "repeat":
     protocol.send(sock, protocol.Progress(job.model, 0, 5, 10))

@@ -185,6 +185,28 @@ def test_a_worker_stalled_mid_frame_or_repeating_its_progress_is_declared_hung(t
     assert worker.proc.returncode == -signal.SIGKILL
 
 
+def test_a_worker_reporting_on_another_model_is_declared_hung(tmp_path, small):
+    with fill.Workers(fill.worker_env(1), threading.Event()) as workers:
+        worker = workers.get(hostile(tmp_path, "other"))
+        with pytest.raises(fill.FillError, match="answered 'small''s fill_job with a progress on 'another'"):
+            for _ in worker.run(job(small)):
+                pass
+        assert worker.hung and workers.get(worker.python) is not worker
+    assert worker.proc.returncode == -signal.SIGKILL
+
+
+def test_a_worker_whose_answer_was_left_unread_is_not_given_the_next_job(tmp_path, small):
+    """A caller that fails mid-fill leaves the rest of the job's answer in the stream: the next job
+    would read it as its own. The worker is replaced, and killed as the session ends."""
+    with fill.Workers(fill.worker_env(1), threading.Event()) as workers:
+        worker = workers.get(hostile(tmp_path, "repeat"))
+        reports = worker.run(job(small))
+        assert next(reports)[0].kind == "progress"
+        reports.close()
+        assert worker.busy and not worker.hung and workers.get(worker.python) is not worker
+    assert worker.proc.returncode == -signal.SIGKILL
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -193,7 +215,7 @@ def test_descriptors_on_progress_and_checked_frames_are_closed(tmp_path, small):
     with fill.Worker(hostile(tmp_path, "fds"), fill.worker_env(1), threading.Event()) as worker:
         before = open_fds()
         checked = list(worker.run(protocol.CheckJob("small", spec(small)._asdict())))
-        assert [m.kind for m, _ in checked] == ["checked"] and checked[0][1] == []
+        assert [m.kind for m, _ in checked] == ["checked"] and checked[0][1] == [] and not worker.busy
         reports = list(worker.run(job(small)))
         assert [m.kind for m, _ in reports][-1] == "filled" and all(not fds for _, fds in reports[:-1])
         for fd in reports[-1][1]:                 # the arena's: the caller's to keep
