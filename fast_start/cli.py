@@ -440,9 +440,10 @@ def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpe
                   config: Path, as_json: bool = False) -> list[str]:
     """Names of tensors whose cached bytes or disk-derived bytes differ from the manifest's checksums.
 
-    A fill worker (the config's `worker_python`) maps the arenas and derives the checkpoint's
-    tensors one at a time, so neither this process nor the worker holds the shard in RAM. Its
-    progress (the cache's bytes, then the disk's) is a bar on a terminal's stderr.
+    A fill worker (the model's `python`, else the config's `worker_python`) maps the arenas and
+    derives the checkpoint's tensors one at a time, so neither this process nor the worker holds
+    the shard in RAM. Its progress (the cache's bytes, then the disk's) is a bar on a terminal's
+    stderr.
     """
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
     from .fill import Worker, worker_env
@@ -451,8 +452,10 @@ def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpe
     if isinstance(reply, protocol.Miss):
         return [f"(cache miss: {reply.reason})"]
     python = sys.executable
-    if config.exists():
-        python = configs.load(config, check_paths=False).daemon.worker_python or python
+    if config.exists():         # the interpreter that filled it: the model's own, else worker_python
+        cfg = configs.load(config, check_paths=False)
+        found = next((m for m in cfg.models if m.name == reply.model), None)
+        python = cfg.python(found) if found else cfg.daemon.worker_python or python
     bar = Progress("{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                    console=Console(stderr=True), transient=True, disable=as_json or not sys.stderr.isatty())
     try:

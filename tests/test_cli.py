@@ -104,6 +104,17 @@ def test_verify_match_another_copy_and_no_daemon(tmp_path, small, daemons):
     assert r.exit_code == 3 and "no fast-start daemon" in r.stderr
 
 
+def test_verify_deep_runs_the_models_own_interpreter(tmp_path, small, daemons):
+    """A model with its own `python` (its engine's environment) is verified by a worker of that
+    interpreter, as it was filled: `worker_python` may name one without fast-start."""
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run",
+                       [{"name": "small", "path": str(small), "gpus": [0], "python": sys.executable}],
+                       worker_python="/bin/false")
+    daemons(cfg)
+    r = cli("verify", "--model", small, "--config", cfg, "--deep", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)[0]["tensors_differing"] == [], r.output
+
+
 def test_status_while_loading_and_usage_errors(tmp_path, small, daemons):
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run",
                        [{"name": "small", "path": str(small), "gpus": [0]}], fill_bandwidth="1MB")
