@@ -623,19 +623,28 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON,
 
 
 def _worker_checks(cfg: configs.Config) -> list[dict]:
-    """Each worker interpreter imports fast-start, torch and its engines."""
+    """Each worker interpreter imports fast-start of this protocol, torch and its engines, as the
+    daemon starts it (cwd "/": a checkout where this runs must not stand in for its environment)."""
     import subprocess
     rows = []
     for python in sorted({cfg.python(m) for m in cfg.models}):
         named = sorted({m.filler.module for m in cfg.models if cfg.python(m) == python and m.filler})
         modules = ", ".join(["fast_start", "torch", *named])
+        code = ("import fast_start, fast_start.protocol as p; print(fast_start.__version__, p.VERSION, flush=True); "
+                f"import {modules}")
         try:
-            done = subprocess.run([python, "-c", f"import {modules}"], capture_output=True, text=True, timeout=300)
-            detail = f"imports {modules}" if not done.returncode else \
-                (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-            rows.append({"check": f"worker {python}", "ok": not done.returncode, "detail": detail})
+            done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300, cwd="/")
         except (OSError, subprocess.TimeoutExpired) as e:
             rows.append({"check": f"worker {python}", "ok": False, "detail": str(e)})
+            continue
+        theirs = done.stdout.split()[:2]
+        if len(theirs) == 2 and theirs[1] != str(protocol.VERSION):
+            ok, detail = False, (f"runs fast-start {theirs[0]}, protocol {theirs[1]}; this one runs {__version__}, "
+                                 f"protocol {protocol.VERSION}: fast-start install-engine {python}")
+        else:
+            ok = not done.returncode
+            detail = f"imports {modules}" if ok else (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        rows.append({"check": f"worker {python}", "ok": ok, "detail": detail})
     return rows
 
 

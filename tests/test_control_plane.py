@@ -81,6 +81,9 @@ def test_a_worker_python_in_another_environment_fills_the_cache(tmp_path, small,
 def test_a_worker_of_another_protocol_fails_the_start_in_one_line(tmp_path, small, daemons):
     older = environment(tmp_path / "old-env", fast_start_copy(tmp_path / "old-site", "0.1.9", protocol.VERSION - 1))
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model(small)], worker_python=str(older))
+    worker = worker_check(cfg, older)                   # check-config says it before a start
+    assert worker["detail"] == (f"runs fast-start 0.1.9, protocol {protocol.VERSION - 1}; this one runs "
+                                f"{fast_start.__version__}, protocol {protocol.VERSION}: fast-start install-engine {older}")
     d = daemons(cfg, wait=False)
     assert d.proc.wait(60) == 1
     errors = [line for line in d.log.read_text().splitlines() if line.startswith("error")]
@@ -91,9 +94,20 @@ def test_a_worker_of_another_protocol_fails_the_start_in_one_line(tmp_path, smal
     bare = tmp_path / "bare-env"
     venv.create(bare, with_pip=False)                                   # no fast-start at all
     cfg = write_config(tmp_path / "fs2.toml", tmp_path / "run2", [model(small)], worker_python=str(bare / "bin/python"))
+    # Run from the checkout, whose fast_start a `python -c` there would import instead of its own.
+    assert worker_check(cfg, bare / "bin/python")["detail"] == "ModuleNotFoundError: No module named 'fast_start'"
     d = daemons(cfg, wait=False)
     assert d.proc.wait(60) == 1
     assert f"the fill worker {bare}/bin/python did not answer as fast-start (exited with code 1)" in d.log.read_text()
+
+
+def worker_check(cfg: Path, python: Path) -> dict:
+    """check-config's row for the worker `python`, run in the checkout, checked to have failed."""
+    check = subprocess.run([sys.executable, "-m", "fast_start.cli", "check-config", "--config", cfg, "--json"],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+    row = {c["check"]: c for c in json.loads(check.stdout)}[f"worker {python}"]
+    assert check.returncode == 2 and not row["ok"], check.stdout
+    return row
 
 
 @pytest.mark.slow
