@@ -138,12 +138,14 @@ class Keeper:
             self.put("retry", name)
 
     def refill(self, name: str) -> None:
-        """Fill `name` in the background once its checkpoint has settled and is usable."""
+        """Fill `name` in the background: a stale or failed model once its checkpoint has settled,
+        any other (asked for, new in the config, waiting for room) at once."""
         model = self.d.model(name)
         if model is None or name in self.d.cache.entries or self.d.stop.is_set():
             return
         files = watch.identity(model.path)
-        if self.seen.get(name) != files:            # still changing: wait until it stays put
+        changing = self.d.cache.state(name) in ("stale", "failed")
+        if changing and self.seen.get(name) != files:     # still changing: wait until it stays put
             self.seen[name] = files
             self.d.cache.set_pending(name, "stale", "waiting for the checkpoint's files to settle")
             self.retry[name] = time.monotonic() + SETTLE_S

@@ -285,6 +285,24 @@ def test_fill_refills_an_evicted_model_without_a_restart(tmp_path, small, daemon
     assert r.exit_code == 1 and "model 'nope' is not configured for GPU 0" in r.stderr
 
 
+def test_a_fill_asked_for_is_never_reported_stale(tmp_path, small, daemons):
+    """Only a changed checkpoint waits for its files to settle, as `stale` (a state an alert may
+    watch): a model evicted by hand and asked for again is `filling` until it is cached."""
+    from fast_start import protocol
+    from probe import ask, status, wait_until
+    cfg, d = setup(tmp_path, small, daemons)
+    assert cli("evict", "--gpu", 0, "--model", "small", "--config", cfg).exit_code == 0
+    assert ask(d, protocol.Fill("small")) == {"filling": ["small"], "cached": []}
+    seen = set()
+
+    def cached() -> bool:
+        missing = status(d)["missing"]
+        seen.update(m["state"] for m in missing)
+        return not missing
+    wait_until(cached, 60, "small cached again")
+    assert seen <= {"filling"}, seen
+
+
 def test_verify_deep_streams_its_progress_over_the_cache_then_the_disk(tmp_path, small, daemons):
     """The worker behind `verify --deep` reports progress (what the CLI's bar shows): the cached
     bytes, then the same bytes derived from disk, tensor by tensor; the shard is never whole in RAM."""
