@@ -211,9 +211,22 @@ def _status_once(gpu: Optional[int], config: Path, as_json: bool) -> None:
             states.append(state)
     if not states:
         raise NoDaemon(f"no fast-start daemon reachable in {directory}", "start one: systemctl start fast-start@N")
+    if gpu is None:
+        states += [reports.DaemonState(g, "stopped", 0, error=f"not running, though the config names it: "
+                                       f"systemctl start fast-start@{g}")
+                   for g in sorted(_configured_gpus(config, directory) - {s.gpu for s in states})]
     emit([reports.body(s) for s in states], as_json, lambda _: _status_table(states))
     if any(s.state != "ready" for s in states):
         raise typer.Exit(1)
+
+
+def _configured_gpus(config: Path, directory: str) -> set[int]:
+    """The GPUs the config's models name, where it loads and its daemons use `directory`."""
+    try:
+        cfg = configs.load(config, check_paths=False)
+    except ConfigError:
+        return set()
+    return {g for m in cfg.models for g in m.gpus} if cfg.daemon.socket_dir == directory else set()
 
 
 def ask_report(directory: str, gpu: int, msg, kind: type[R]) -> R:

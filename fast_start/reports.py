@@ -79,9 +79,10 @@ class Progress(NamedTuple):             # a fill under way, as the daemon last r
 
 class DaemonState(NamedTuple):
     """The state file a daemon keeps (`daemon.state_path`): what `status` shows of a daemon whose
-    socket does not answer (yet): loading, or failed."""
+    socket does not answer (yet): loading, or failed; and of a GPU the config names that has no
+    daemon at all: stopped."""
     gpu: int
-    state: str                          # "loading", "ready" or "failed"
+    state: str                          # "loading", "ready", "failed" (or "stopped": `status` alone)
     pid: int
     time: float | None = None           # when it was written
     version: str = ""

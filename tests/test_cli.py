@@ -115,6 +115,23 @@ def test_verify_deep_runs_the_models_own_interpreter(tmp_path, small, daemons):
     assert r.exit_code == 0 and json.loads(r.stdout)[0]["tensors_differing"] == [], r.output
 
 
+def test_status_names_a_gpu_the_config_serves_that_has_no_daemon(tmp_path, small, daemons):
+    """A GPU the config's models name whose daemon was never started (or was stopped) is a row of
+    `status`, stopped, with the command that starts it; `status` exits 1 until it runs."""
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run",
+                       [{"name": "small", "path": str(small), "gpus": [0, 1], "tensor_parallel_size": 2}])
+    daemons(cfg, 0)
+    r = cli("status", "--config", cfg, "--json")
+    rows = {s["gpu"]: s for s in json.loads(r.stdout)}
+    assert r.exit_code == 1 and rows[0]["state"] == "ready"
+    assert rows[1]["state"] == "stopped" and rows[1]["error"].endswith("systemctl start fast-start@1")
+    r = cli("status", "--config", cfg)
+    assert "stopped" in r.stdout and "fast-start@1" in r.stdout
+    daemons(cfg, 1)
+    r = cli("status", "--config", cfg, "--json")
+    assert r.exit_code == 0 and [s["state"] for s in json.loads(r.stdout)] == ["ready", "ready"]
+
+
 def test_status_while_loading_and_usage_errors(tmp_path, small, daemons):
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run",
                        [{"name": "small", "path": str(small), "gpus": [0]}], fill_bandwidth="1MB")
