@@ -656,7 +656,8 @@ def _worker_checks(cfg: configs.Config) -> list[dict]:
                                  f"protocol {protocol.VERSION}: fast-start install-engine {python}")
         else:
             ok = not done.returncode
-            detail = f"imports {modules}" if ok else (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+            said = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
+            detail = f"imports {modules}" if ok else said[-1]
         rows.append({"check": f"worker {python}", "ok": ok, "detail": detail})
     return rows
 
