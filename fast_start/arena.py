@@ -25,13 +25,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import cudadrv, dtypes, table
+from . import cudadrv, dtypes, files, table
 from .errors import ArenaError
 
 if TYPE_CHECKING:
     from .manifest import Manifest
 
-_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 _WRITE_STEP = 1 << 26
 _CHUNK = 1 << 28   # bytes per checksum step (a multiple of _BLOCK)
 _BLOCK = 4096
@@ -52,7 +51,7 @@ class MemfdWriter:
             os.close(self.fd)
             raise ArenaError(f"cannot size a {size}-byte arena for {name}: {e}",
                              "free memory or lower the model's footprint") from None
-        self.size = size
+        self.size, self.name = size, name
 
     def write(self, offset: int, tensor: torch.Tensor) -> None:
         assert tensor.is_contiguous() and offset + tensor.nbytes <= self.size
@@ -66,7 +65,12 @@ class MemfdWriter:
         return None
 
     def finish(self) -> int:
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+        try:
+            files.seal(self.fd)
+        except OSError as e:
+            raise ArenaError(f"cannot seal the arena of {self.name}: {e.strerror or e}",
+                             "another process maps it writable, or the kernel held its pages: fill it "
+                             "again (fast-start fill)") from None
         fd, self.fd = self.fd, -1
         return fd
 
@@ -158,7 +162,7 @@ def warm_ups(device: torch.device) -> Iterator[None]:
 
 def _map_memfd(fd: int, size: int) -> torch.Tensor:
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    if seals & _SEALS != _SEALS:
+    if seals & files.SEALS != files.SEALS:
         raise ArenaError("arena memfd is not sealed against writes", "refill the cache from a trusted daemon")
     if os.fstat(fd).st_size != size:
         raise ArenaError(f"arena has {os.fstat(fd).st_size} bytes, the manifest says {size}", "refill the cache")

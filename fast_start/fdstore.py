@@ -16,13 +16,13 @@ import logging
 import os
 from dataclasses import dataclass
 
+from . import files as small_files
 from . import notify
 from .errors import FastStartError
 from .manifest import Manifest
 
 log = logging.getLogger("fast_start.daemon")
 PREFIX = "fs"
-_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 
 
 @dataclass
@@ -51,8 +51,12 @@ def store(model: str, manifest: Manifest, fds: list[int], filled_at: float, file
         view = memoryview(record)
         while view:
             view = view[os.write(mfd, view):]
-        fcntl.fcntl(mfd, fcntl.F_ADD_SEALS, _SEALS)
+        small_files.seal(mfd)
         sent = notify.notify(f"FDSTORE=1\nFDNAME={names[0]}", [mfd])
+    except OSError as e:
+        log.warning("could not seal %s's manifest for systemd's fd store (%s): a restart will fill it from disk",
+                    model, e.strerror or e)
+        return []
     finally:
         os.close(mfd)
     for name, fd in zip(names[1:], fds, strict=True):
@@ -93,7 +97,7 @@ def adopt() -> tuple[list[Stored], list[str]]:
 
 def _shard(fds: dict[str, int], names: list[str]) -> Stored:
     mfd = fds["m"]
-    if fcntl.fcntl(mfd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
+    if fcntl.fcntl(mfd, fcntl.F_GET_SEALS) & small_files.SEALS != small_files.SEALS:
         raise ValueError("manifest memfd is not sealed")
     size, data = os.fstat(mfd).st_size, bytearray()
     while len(data) < size:

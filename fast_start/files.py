@@ -1,5 +1,5 @@
 """The daemon's small files (state, eviction history, the metrics textfile): written atomically,
-read with bounds. Stdlib only.
+read with bounds; and the seal of a memfd written once (`seal`). Stdlib only.
 
 Their folders may be writable by others (a node_exporter textfile folder often is), so neither
 side trusts a name: a write goes to a new file with an unpredictable name, created exclusively
@@ -12,13 +12,17 @@ blocking (a FIFO answers at once), refuses anything but a regular file, and read
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 MAX_READ = 16 << 20
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+SEAL_WAIT_S = 10.0      # how long `seal` tries again while the kernel refuses it (EBUSY)
 
 
 class Unreadable(ValueError):
@@ -41,6 +45,24 @@ def write_atomic(path: str | Path, text: str, mode: int = 0o644) -> None:
         except OSError:
             pass
         raise
+
+
+def seal(fd: int) -> None:
+    """Seal a written memfd: no write, grow or shrink, and no further seal. The kernel refuses the
+    write seal (EBUSY) while the memfd has a writable shared map, or while a page of it holds a
+    reference the kernel still sees after waiting ~150 ms for it to drop. A fill met that once
+    with nothing mapping the memfd, so the seal is tried again for up to SEAL_WAIT_S before the
+    OSError is raised."""
+    deadline, pause = time.monotonic() + SEAL_WAIT_S, 0.01
+    while True:
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)
 
 
 def read_json(path: str | Path):

@@ -132,6 +132,34 @@ def test_checksum_catches_a_flipped_bit_and_ignores_alignment():
 
 
 
+def test_a_seal_refused_while_the_memfd_is_held_is_tried_again(monkeypatch):
+    """The write seal fails (EBUSY) while a page of the memfd is held, here by a writable shared
+    map: it is tried again and lands once the map is gone; held past SEAL_WAIT_S, the fill fails
+    with an error naming the arena."""
+    import fcntl
+    import mmap
+    import threading
+    from fast_start import arena, files
+    writer = arena.MemfdWriter(1 << 16, "held")
+    writer.write(0, torch.arange(16, dtype=torch.int32))
+    held = mmap.mmap(writer.fd, 1 << 16)            # shared and writable
+    threading.Timer(0.3, held.close).start()
+    fd = writer.finish()
+    try:
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == files.SEALS
+    finally:
+        os.close(fd)
+    monkeypatch.setattr(files, "SEAL_WAIT_S", 0.2)
+    writer = arena.MemfdWriter(1 << 16, "held")
+    held = mmap.mmap(writer.fd, 1 << 16)
+    try:
+        with pytest.raises(fast_start.FastStartError, match="cannot seal the arena of held: Device or resource busy"):
+            writer.finish()
+    finally:
+        held.close()
+        writer.abort()
+
+
 def test_detach_makes_a_zero_copy_map_the_engines_own_at_the_same_addresses(tmp_path, small, daemons):
     """What vLLM's reload_weights gets on a zero_copy engine: its weights writable where they were,
     the daemon's sealed memfd unwritten (a write before the detach would fault)."""
