@@ -13,7 +13,6 @@ read-only map of an fd as a flat uint8 tensor.
 """
 from __future__ import annotations
 
-import fcntl
 import gc
 import mmap
 import os
@@ -161,8 +160,7 @@ def warm_ups(device: torch.device) -> Iterator[None]:
 
 
 def _map_memfd(fd: int, size: int) -> torch.Tensor:
-    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    if seals & files.SEALS != files.SEALS:
+    if not files.sealed(fd):
         raise ArenaError("arena memfd is not sealed against writes", "refill the cache from a trusted daemon")
     if os.fstat(fd).st_size != size:
         raise ArenaError(f"arena has {os.fstat(fd).st_size} bytes, the manifest says {size}", "refill the cache")

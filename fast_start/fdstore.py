@@ -9,16 +9,15 @@ systemd 252 empties the store on `stop` (and on a failure with `Restart=no`).
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
 import os
 from dataclasses import dataclass
 
-from . import files as small_files
 from . import notify
 from .errors import FastStartError
+from .files import seal, sealed
 from .manifest import Manifest
 
 log = logging.getLogger("fast_start.daemon")
@@ -51,7 +50,7 @@ def store(model: str, manifest: Manifest, fds: list[int], filled_at: float, file
         view = memoryview(record)
         while view:
             view = view[os.write(mfd, view):]
-        small_files.seal(mfd)
+        seal(mfd)
         sent = notify.notify(f"FDSTORE=1\nFDNAME={names[0]}", [mfd])
     except OSError as e:
         log.warning("could not seal %s's manifest for systemd's fd store (%s): a restart will fill it from disk",
@@ -97,7 +96,7 @@ def adopt() -> tuple[list[Stored], list[str]]:
 
 def _shard(fds: dict[str, int], names: list[str]) -> Stored:
     mfd = fds["m"]
-    if fcntl.fcntl(mfd, fcntl.F_GET_SEALS) & small_files.SEALS != small_files.SEALS:
+    if not sealed(mfd):
         raise ValueError("manifest memfd is not sealed")
     size, data = os.fstat(mfd).st_size, bytearray()
     while len(data) < size:

@@ -65,6 +65,11 @@ def seal(fd: int) -> None:
         pause = min(2 * pause, 1.0)
 
 
+def sealed(fd: int) -> bool:
+    """Whether the memfd `fd` carries every seal `seal` sets."""
+    return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+
+
 def read_json(path: str | Path):
     """The JSON value in `path`. FileNotFoundError if there is none; `Unreadable` for a
     non-regular file, an oversized, undecodable or too deeply nested one; other OSErrors as raised."""
