@@ -76,6 +76,7 @@ class ModelConfig:
     data_parallel_size: int = 1             # an engine's data parallel size
     enable_expert_parallel: bool = False    # an engine's expert parallelism
     expert_placement_strategy: str = "linear"   # ... and its placement of experts
+    replicas: int = 1                       # independent engines of the model, each on its share of `gpus`
 
     def __post_init__(self):
         # An engine's model is cached in the engine's layout, which the fingerprint's `layout`
@@ -90,10 +91,10 @@ class ModelConfig:
         return engines.get(self.layout)
 
     def spec(self, gpu: int) -> WeightSpec:
-        """The weights GPU `gpu` serves for this model: its slot (its place in `gpus` plus
-        `rank_offset`) counts DP rank by DP rank, each of tensor × pipeline ranks."""
+        """The weights GPU `gpu` serves for this model: its slot (its place in its replica's share
+        of `gpus`, plus `rank_offset`) counts DP rank by DP rank, each of tensor × pipeline ranks."""
         engine = self.filler
-        dp_rank, rank = divmod(self.gpus.index(gpu) + self.rank_offset,
+        dp_rank, rank = divmod(self.gpus.index(gpu) % (len(self.gpus) // self.replicas) + self.rank_offset,
                                self.tensor_parallel_size * self.pipeline_parallel_size)
         return WeightSpec(path=self.path, tensor_parallel_size=self.tensor_parallel_size, rank=rank,
                           dtype=self.dtype, quantization=self.quantization, layout=self.layout,
@@ -298,11 +299,21 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
             bad(key, f"is {list(value) if isinstance(value, tuple) else value!r} for a model no engine fills",
                 f"remove it, or set {_by_engine()}: pipeline stages, data and expert parallelism, the KV-cache "
                 f"dtype, MoE backend and kernel variables are an engine's settings")
+    if m.replicas < 1 or len(m.gpus) % m.replicas:
+        bad("replicas", f"is {m.replicas} with gpus = {list(m.gpus)}", "list as many GPUs for each replica: gpus "
+            "holds replicas × the GPUs of one engine, replica by replica")
     ranks = m.tensor_parallel_size * m.pipeline_parallel_size * m.data_parallel_size
-    if m.rank_offset < 0 or m.rank_offset + len(m.gpus) > ranks:
-        bad("rank_offset", f"{m.rank_offset} with {len(m.gpus)} GPUs serves ranks beyond {ranks - 1}",
-            "serve at most data_parallel_size × pipeline_parallel_size × tensor_parallel_size ranks: "
-            "fix gpus or rank_offset")
+    per = len(m.gpus) // m.replicas         # one replica's GPUs
+    each = f" for each of {m.replicas} replicas" if m.replicas > 1 else ""
+    if m.rank_offset < 0 or m.rank_offset + per > ranks:
+        if m.rank_offset == 0 and per % ranks == 0:
+            n = len(m.gpus) // ranks
+            bad("gpus", f"lists {per} GPUs{each}, more than the {ranks} rank(s) of one engine",
+                f"for {n} engines of {ranks} GPU(s) each, set replicas = {n}; for one engine over them all, raise "
+                "its tensor_parallel_size (or pipeline_parallel_size, data_parallel_size)")
+        bad("rank_offset", f"{m.rank_offset} with {per} GPUs{each} serves ranks beyond {ranks - 1}",
+            "serve at most data_parallel_size × pipeline_parallel_size × tensor_parallel_size ranks in each replica: "
+            "fix gpus, replicas or rank_offset")
     if m.dtype not in dtypes.MODEL:
         bad("dtype", f"is {m.dtype!r}", f"use one of {', '.join(dtypes.MODEL)}")
     if engine is not None:

@@ -71,10 +71,11 @@ def test_fingerprint_takes_every_key_a_models_fingerprint_reads_and_agrees_with_
              "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "data_parallel_size": 2, "dtype": "float16",
              "quantization": "fp8", "revision": "r1", "engine_version": "1.2", "kv_cache_dtype": "fp8",
              "moe_backend": "marlin", "enable_expert_parallel": True, "expert_placement_strategy": "round_robin"}
-    # Not here: layout (the older name of engine), python (the interpreter, not the bytes) and
-    # engine_env (the command reads this shell's variables). A new key fails this line until the
-    # command has an option for it or it joins them.
-    assert {f.name for f in dataclasses.fields(ModelConfig)} - set(entry) == {"layout", "python", "engine_env"}
+    # Not here: layout (the older name of engine), python (the interpreter, not the bytes),
+    # engine_env (the command reads this shell's variables) and replicas (each serves the same
+    # bytes). A new key fails this line until the command has an option for it or it joins them.
+    assert {f.name for f in dataclasses.fields(ModelConfig)} - set(entry) == {"layout", "python", "engine_env",
+                                                                             "replicas"}
     spec = configs.load(write_config(tmp_path / "fs.toml", tmp_path / "run", [entry])).models[0].spec(0)
     assert (spec.data_parallel_rank, spec.rank) == (1, 1)        # slot 5 of DP 2 × PP 2 × TP 2
     r = cli("fingerprint", "--model", small, "--engine", "vllm", "--tp", 2, "--pp", 2, "--dp", 2, "--dp-rank", 1,

@@ -130,6 +130,38 @@ def test_vllm_spec_carries_pipeline_rank_and_kernel_variables(small, tmp_path, m
                                                "kv_cache_dtype": "auto", "pp": 2}
 
 
+def test_replicas_split_gpus_into_engines_that_each_serve_every_rank(small, tmp_path):
+    """`replicas = R`: gpus lists R engines' GPUs, replica by replica; each engine's GPUs serve its
+    ranks from 0, and the same rank is the same spec (so one fingerprint) on every replica."""
+    from devtools.harness import write_config
+    cfg = configs.load(write_config(tmp_path / "fs.toml", tmp_path / "run", [
+        {"name": "tp2", "path": str(small), "gpus": [0, 4, 1, 5], "tensor_parallel_size": 2, "replicas": 2},
+        {"name": "one", "path": str(small), "gpus": [0, 1, 2], "replicas": 3}]))
+    tp2, one = cfg.models
+    assert [tp2.spec(g).rank for g in (0, 4, 1, 5)] == [0, 1, 0, 1]
+    assert tp2.spec(0) == tp2.spec(1) and tp2.spec(4) == tp2.spec(5) and tp2.spec(0) != tp2.spec(4)
+    assert one.spec(0) == one.spec(1) == one.spec(2) and one.spec(2).tensor_parallel_size == 1
+
+
+@pytest.mark.parametrize("model,message,fix", [
+    ({"gpus": [0, 1, 2, 3]}, "key 'gpus' lists 4 GPUs, more than the 1 rank(s) of one engine",
+     "for 4 engines of 1 GPU(s) each, set replicas = 4"),
+    ({"gpus": [0, 1, 2, 3], "tensor_parallel_size": 2, "replicas": 1},
+     "key 'gpus' lists 4 GPUs, more than the 2 rank(s)", "set replicas = 2"),
+    ({"gpus": [0, 1, 2], "replicas": 2}, "key 'replicas' is 2 with gpus = [0, 1, 2]", "as many GPUs for each replica"),
+    ({"gpus": [0], "replicas": 0}, "key 'replicas' is 0 with gpus = [0]", "for each replica"),
+    ({"gpus": [0, 1, 2, 3], "tensor_parallel_size": 2, "replicas": 2, "rank_offset": 1},
+     "key 'rank_offset' 1 with 2 GPUs for each of 2 replicas serves ranks beyond 1", "fix gpus, replicas or rank_offset"),
+])
+def test_more_gpus_than_one_engine_has_ranks_names_replicas(small, tmp_path, model, message, fix):
+    """The fleet's common case, one TP-1 engine on each GPU, written as gpus = [0, 1, 2, 3]: the
+    error says how to write it, and how to write one engine over all of them."""
+    from devtools.harness import write_config
+    with pytest.raises(ConfigError) as err:
+        configs.load(write_config(tmp_path / "fs.toml", tmp_path / "run", [{"name": "m", "path": str(small), **model}]))
+    assert message in str(err.value) and fix in err.value.fix
+
+
 def test_engine_names_who_fills_a_model_and_the_older_layout_key_means_the_same(small, tmp_path):
     """`engine = "vllm"` says vLLM fills the model, which is then cached in vLLM's layout; configs
     of earlier versions said `layout = "vllm"`, which names the same engine and fingerprint."""

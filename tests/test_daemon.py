@@ -454,6 +454,16 @@ def test_fill_workers_share_the_cpus_between_the_hosts_daemons(tmp_path, small, 
     assert Daemon(cfg, 0).workers().env["OMP_NUM_THREADS"] == "3"
 
 
+def test_a_replicated_model_serves_rank_0_on_each_replicas_gpu(tmp_path, small, daemons):
+    """One engine of TP 1 per GPU: GPU 1's daemon serves the same rank-0 weights as GPU 0's."""
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small, gpus=(0, 1), replicas=2)])
+    daemons(cfg, gpu=1)
+    spec = fast_start.WeightSpec(str(small), engine_version="test")
+    w = fast_start.fetch(spec, socket_dir=str(tmp_path / "run"), fallback=False)
+    assert w.source == "cache" and w.fingerprint.rank == 0 and w.fingerprint.tensor_parallel_size == 1
+    fast_start.client.release(w)
+
+
 def test_config_fields_name_only_fingerprint_fields_and_leave_vllms_quantization_to_the_checkpoint():
     """While a model's storage is away, re-adoption compares what the config alone decides; for a
     vLLM model with quantization "none" that excludes the quantization (vLLM reads it from
