@@ -523,7 +523,7 @@ def install_engine(python: Path = typer.Argument(..., help="the engine environme
                              "install the fast-start package, which ships it, or pass --wheel FILE "
                              f"(pip wheel --no-deps fast-start=={__version__} makes one)")
     if not wheel.name.startswith(f"fast_start-{__version__}-"):
-        raise FastStartError(f"{wheel.name} is not fast-start {__version__}, which this daemon runs",
+        raise FastStartError(f"{wheel.name} is not fast-start {__version__}, the version here",
                              f"pass the wheel of fast-start {__version__}")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     # cwd "/": `python -c` imports from the working directory first (a checkout would shadow it).

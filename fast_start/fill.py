@@ -82,8 +82,9 @@ class Worker:
             raise
 
     def _hello(self) -> protocol.WorkerHello:
-        ours = f"this daemon ({sys.executable}) runs fast-start {__version__}, protocol {protocol.VERSION}"
-        fix = f"install fast-start {__version__} into {self.python}'s environment"
+        # Said by the daemon and by the CLI (verify --deep): name the interpreter, not the role.
+        ours = f"{sys.executable} here runs fast-start {__version__}, protocol {protocol.VERSION}"
+        fix = f"fast-start install-engine {self.python}"
         why = None
         if not self._wait(HELLO_S):
             why = f"said nothing in {HELLO_S} s"
@@ -95,8 +96,8 @@ class Worker:
             if msg is None and why is None:
                 why = f"exited with code {self.proc.wait()}"
             if msg is not None and msg.protocol != protocol.VERSION:
-                raise FillError(f"the fill worker {self.python} runs fast-start {msg.version}, protocol {msg.protocol}; "
-                                + ours, fix)
+                raise FillError(f"the fill worker {self.python} runs fast-start {msg.version}, protocol {msg.protocol}, "
+                                "and " + ours, fix)
             if msg is not None:
                 return msg
         raise FillError(f"the fill worker {self.python} did not answer as fast-start ({why}); " + ours, fix)

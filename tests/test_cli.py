@@ -284,7 +284,7 @@ def test_install_engine_names_a_missing_interpreter_and_a_wheel_of_another_versi
     other = tmp_path / "fast_start-0.0.1-py3-none-any.whl"
     other.write_bytes(b"")
     r = cli("install-engine", sys.executable, "--wheel", other)
-    assert r.exit_code == 1 and f"is not fast-start {fast_start.__version__}, which this daemon runs" in r.stderr
+    assert r.exit_code == 1 and f"is not fast-start {fast_start.__version__}, the version here" in r.stderr
 
 
 def test_fill_refills_an_evicted_model_without_a_restart(tmp_path, small, daemons):

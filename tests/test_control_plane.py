@@ -87,10 +87,9 @@ def test_a_worker_of_another_protocol_fails_the_start_in_one_line(tmp_path, smal
     d = daemons(cfg, wait=False)
     assert d.proc.wait(60) == 1
     errors = [line for line in d.log.read_text().splitlines() if line.startswith("error")]
-    assert errors == [f"error: the fill worker {older} runs fast-start 0.1.9, protocol {protocol.VERSION - 1}; this "
-                      f"daemon ({sys.executable}) runs fast-start {fast_start.__version__}, protocol "
-                      f"{protocol.VERSION} (fix: install fast-start {fast_start.__version__} into {older}'s "
-                      "environment)"]
+    assert errors == [f"error: the fill worker {older} runs fast-start 0.1.9, protocol {protocol.VERSION - 1}, and "
+                      f"{sys.executable} here runs fast-start {fast_start.__version__}, protocol "
+                      f"{protocol.VERSION} (fix: fast-start install-engine {older})"]
     bare = tmp_path / "bare-env"
     venv.create(bare, with_pip=False)                                   # no fast-start at all
     cfg = write_config(tmp_path / "fs2.toml", tmp_path / "run2", [model(small)], worker_python=str(bare / "bin/python"))
