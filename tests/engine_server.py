@@ -25,6 +25,12 @@ class Engines:
     def __init__(self, folder, env: dict):
         self.path = os.path.join(folder, "engines.sock")
         self.log = open(os.path.join(folder, "engine-server.log"), "w")
+        # The engines' temp dir: where a TP engine's ranks meet (a FileStore, `vllm_dist_<id>`),
+        # whose name also names the shared memory of vLLM's CPU collectives. An engine killed
+        # mid-way leaves both; `close` removes this session's.
+        self.tmp = os.path.join(folder, "tmp")
+        os.mkdir(self.tmp)
+        env = {**env, "TMPDIR": self.tmp}
         # OpenBLAS (numpy's, OpenCV's) starts a thread pool at import unless told one thread: the
         # server forks, and must hold no thread but its own (its engines get `env` as it is).
         self.proc = subprocess.Popen([sys.executable, str(SERVER), "--serve", self.path], stdout=self.log,
@@ -39,13 +45,16 @@ class Engines:
     def start(self, args: dict, env: dict, log) -> "Started":
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.path)
-        conn.sendall(json.dumps({"args": args, "env": env, "log": str(log)}).encode() + b"\n")
+        conn.sendall(json.dumps({"args": args, "env": {**env, "TMPDIR": self.tmp}, "log": str(log)}).encode() + b"\n")
         return Started(conn)
 
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
         self.log.close()
+        for store in Path(self.tmp).glob("vllm_dist_*"):
+            for shm in Path("/dev/shm").glob(store.name + "-*"):
+                shm.unlink(missing_ok=True)
 
 
 class Started:
