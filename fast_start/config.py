@@ -90,11 +90,16 @@ class ModelConfig:
         fast-start's own tables."""
         return engines.get(self.layout)
 
+    @property
+    def replica_gpus(self) -> int:
+        """How many GPUs each replica (each engine of the model) has."""
+        return len(self.gpus) // self.replicas
+
     def spec(self, gpu: int) -> WeightSpec:
         """The weights GPU `gpu` serves for this model: its slot (its place in its replica's share
         of `gpus`, plus `rank_offset`) counts DP rank by DP rank, each of tensor × pipeline ranks."""
         engine = self.filler
-        dp_rank, rank = divmod(self.gpus.index(gpu) % (len(self.gpus) // self.replicas) + self.rank_offset,
+        dp_rank, rank = divmod(self.gpus.index(gpu) % self.replica_gpus + self.rank_offset,
                                self.tensor_parallel_size * self.pipeline_parallel_size)
         return WeightSpec(path=self.path, tensor_parallel_size=self.tensor_parallel_size, rank=rank,
                           dtype=self.dtype, quantization=self.quantization, layout=self.layout,
@@ -303,7 +308,7 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
         bad("replicas", f"is {m.replicas} with gpus = {list(m.gpus)}", "list as many GPUs for each replica: gpus "
             "holds replicas × the GPUs of one engine, replica by replica")
     ranks = m.tensor_parallel_size * m.pipeline_parallel_size * m.data_parallel_size
-    per = len(m.gpus) // m.replicas         # one replica's GPUs
+    per = m.replica_gpus
     each = f" for each of {m.replicas} replicas" if m.replicas > 1 else ""
     if m.rank_offset < 0 or m.rank_offset + per > ranks:
         if m.rank_offset == 0 and per % ranks == 0:

@@ -50,12 +50,13 @@ def store(model: str, manifest: Manifest, fds: list[int], filled_at: float, file
         view = memoryview(record)
         while view:
             view = view[os.write(mfd, view):]
-        seal(mfd)
+        try:
+            seal(mfd)
+        except OSError as e:
+            log.warning("could not seal %s's manifest for systemd's fd store (%s): a restart will fill it from "
+                        "disk", model, e.strerror or e)
+            return []
         sent = notify.notify(f"FDSTORE=1\nFDNAME={names[0]}", [mfd])
-    except OSError as e:
-        log.warning("could not seal %s's manifest for systemd's fd store (%s): a restart will fill it from disk",
-                    model, e.strerror or e)
-        return []
     finally:
         os.close(mfd)
     for name, fd in zip(names[1:], fds, strict=True):
