@@ -159,7 +159,7 @@ class Cache:
         if isinstance(msg, protocol.Acquire):
             return self.acquire(msg, peer)
         if isinstance(msg, protocol.Release):
-            return _no(self.release(msg.lease, peer))
+            return _no(self.release(msg.lease, peer, msg.copied))
         if isinstance(msg, protocol.Evict):
             if not peer.admin:
                 return _no(protocol.Error(f"uid {peer.uid} may not evict: that needs root, the daemon's user or a "
@@ -176,10 +176,12 @@ class Cache:
 
     def acquire(self, msg: protocol.Acquire, peer: Peer):
         """A lease and the reply that carries the model's fds: its manifest as the tensor table
-        (engines) or as JSON (`fast-start verify`). A copy-mode lease ends once the reply is out:
-        the engine's own copy is made from the fds it received, which keep the memory alive. With
-        `on_release = "drop"` the model is evicted before the reply goes out; with "keep", a copy
-        the device has no room for beside the cache is refused (`_no_room_for_copy`).
+        (engines) or as JSON (`fast-start verify`). A copy-mode lease ends when the engine, its reply
+        come, says it takes the model over (`Release` with `copied`): only then does `on_release = "drop"` evict the
+        model, so a hand-over that breaks off (a timeout, an engine killed, a reply turned down)
+        leaves the cache serving; the engine's copy is made from the fds it received, which keep
+        the memory alive. With "keep", a copy the device has no room for beside the cache is
+        refused (`_no_room_for_copy`).
 
         A partial request (`fingerprint.requested`: sent before the engine read its checkpoint) is
         served by the model equal in its other fields whose files are the engine's (their identity
@@ -222,7 +224,7 @@ class Cache:
                 return _no(lease)
             best.pins += 1
         log.info("served %s to pid %d uid %d (%s, lease %d%s%s)", best.model.name, peer.pid, peer.uid, msg.mode,
-                 lease.id, ", ends with the reply" if msg.mode == "copy" else "",
+                 lease.id, ", ends once the engine has every fd" if msg.mode == "copy" else "",
                  ", to verify it" if msg.purpose == "verify" else "")
         if msg.purpose == "engine":
             self.metrics.inc("fast_start_cache_hits_total", model=best.model.name, mode=msg.mode)
@@ -231,13 +233,7 @@ class Cache:
         else:
             reply = protocol.Acquired(lease.id, best.model.name, best.head, len(best.table),
                                       len(best.fds)).attach(best.table)
-        keep = msg.mode == "zero_copy"
-        if not keep and self.on_release == "drop":
-            # The copy takes the cache's place: the daemon lets go of the fds (and systemd's
-            # fd store of its copies) before the reply goes out, so that the engine, which
-            # closes each arena's fd once it has copied it, holds no arena twice but one.
-            self.evict(best.model.name, "release")
-        return reply, best.fds, lambda sent: self._sent(best, lease, (sent and keep) or lease.id < first_new, sent)
+        return reply, best.fds, lambda sent: self._sent(best, lease, sent or lease.id < first_new)
 
     def _no_room_for_copy(self, entry: Entry) -> protocol.Miss | None:
         """A copy the device has no room for while the daemon keeps its cache (`on_release = "keep"`):
@@ -291,37 +287,33 @@ class Cache:
                              f"{entry.model.path} ({other})", ["files"], entry.model.name,
                              "load the model from the folder the daemon's [[model]] path names")
 
-    def _sent(self, entry: Entry, lease: reports.Lease, keep: bool, sent: bool) -> None:
-        """A reply carrying `entry`'s fds is out, or failed: a lease made for it ends unless kept
-        (a copy-mode lease ends here, and once its reply is out `on_release` applies as for a
-        release)."""
+    def _sent(self, entry: Entry, lease: reports.Lease, keep: bool) -> None:
+        """A reply carrying `entry`'s fds is out, or failed: a lease made for it ends unless kept."""
         with self.lock:
             entry.pins -= 1
-            ended = not keep and lease.id in self.leases.held
-            if ended:
+            if not keep and lease.id in self.leases.held:
                 self.leases.drop(lease)
             close = entry.retired and entry.pins == 0
-            evict = sent and ended and lease.mode == "copy" and self.on_release == "drop" and \
-                self.entries.get(lease.model) is entry
         if close:
             entry.close()
-        if evict:
-            self.evict(lease.model, "release")
 
     def process_exited(self, pidfd: int) -> None:
         """`pidfd` became readable: if its process really exited, end all its leases."""
         with self.lock:
             self.leases.exited(pidfd)
 
-    def release(self, lease_id: int, peer: Peer):
+    def release(self, lease_id: int, peer: Peer, copied: bool = False):
+        """End a lease. A copy-mode lease `copied` (its engine has the reply) hands the model
+        over: `on_release = "drop"` evicts it now. A lease given back unused changes nothing."""
         with self.lock:
             lease = self.leases.held.get(lease_id)
             if lease is None or lease.pid != peer.pid:
                 return protocol.Error(f"lease {lease_id} is not held by pid {peer.pid}",
                                       "release only leases your process acquired")
             self.leases.drop(lease)
-            evict = self.on_release == "drop" and lease.model in self.entries
-        log.info("lease %d on %s released by pid %d uid %d", lease_id, lease.model, peer.pid, peer.uid)
+            evict = copied and lease.mode == "copy" and self.on_release == "drop" and lease.model in self.entries
+        log.info("lease %d on %s %s by pid %d uid %d", lease_id, lease.model,
+                 "handed over" if copied and lease.mode == "copy" else "released", peer.pid, peer.uid)
         if evict:
             self.evict(lease.model, "release")
         return protocol.Report(reports.body(reports.Released(lease_id, self.on_release)))

@@ -3,8 +3,11 @@
 `fetch` returns the same tensors whether they come from a daemon's arenas or from disk: both run
 `materialize.derive`. In `zero_copy` mode arena tensors are read-only views of shared memory
 (writing through one faults); in `copy` mode each arena is copied once into memory the engine
-owns, its mapping dropped and its fd closed before the next is mapped (the daemon ends a copy's
-lease as it sends the reply and, with `on_release = "drop"`, has let go of the arenas by then).
+owns, its mapping dropped and its fd closed before the next is mapped. A copy tells the daemon
+that it takes the model over (`Release` with `copied`) once the reply has come and is its
+model's, and only then may the daemon let go of the model (`on_release = "drop"`): a hand-over
+that breaks off before (a timeout, an engine killed, a reply turned down) costs the cache nothing,
+and no arena is ever held twice but the one being copied (the rest are in flight to the engine).
 
 A fetch from the cache is one request and one reply per daemon asked (`Acquire` names the
 protocol version and the device; `Acquired` carries the lease, the arena fds and the tensor
@@ -224,7 +227,7 @@ def _ask(conn: socket.socket, ask: protocol.Acquire, headers: _Headers, device: 
         again = isinstance(reply, protocol.Miss) and reply.fields == ["partial"]
         if isinstance(reply, protocol.Acquired) and ask.partial and reply.manifest.get("fingerprint") != want.to_dict():
             _close_all(batches)
-            _give_back(conn, reply, ask.mode)
+            _give_back(conn, reply)
             again, reply, batches = True, None, iter(())     # nothing held any more, should the re-ask fail
         if again:
             whole = protocol.Acquire(want.to_dict(), ask.mode, ask.files, ask.protocol, ask.device)
@@ -233,22 +236,44 @@ def _ask(conn: socket.socket, ask: protocol.Acquire, headers: _Headers, device: 
     except BaseException:
         _close_all(batches)
         if isinstance(reply, protocol.Acquired):
-            _give_back(conn, reply, ask.mode)
+            _give_back(conn, reply)
         raise
     if not isinstance(reply, protocol.Acquired):
         _close_all(batches)
         return reply
+    handed = ask.mode == "copy" and reply.manifest.get("fingerprint") == want.to_dict()
+    if handed:
+        batches = _handed_over(conn, reply, batches)
     try:
         return _use(reply, batches, want, ask.mode, device)
     except FastStartError:
-        _give_back(conn, reply, ask.mode)
+        if not handed:
+            _give_back(conn, reply)
         raise
 
 
-def _give_back(conn: socket.socket, reply: protocol.Acquired, mode: str) -> None:
-    """Release the zero_copy lease of a reply the engine turns down (a copy's ended with the reply)."""
-    if mode != "zero_copy":
+def _handed_over(conn: socket.socket, reply: protocol.Acquired, batches: Iterator[list[int]]) -> Iterator[list[int]]:
+    """A copy's fd batches, the daemon told first that this engine takes the model over: its
+    reply and the rest of the fds are already on their way (a batch is read, copied and closed
+    before the next), and the daemon's answer is read after them. The copy goes on whatever the
+    daemon answers: should it have gone away, its fds went with it."""
+    try:
+        protocol.send(conn, protocol.Release(reply.lease, copied=True))
+    except OSError as e:
+        log.warning("fast-start: could not tell the daemon that lease %d's copy is handed over: %s", reply.lease, e)
+        yield from batches
         return
+    yield from batches
+    try:
+        answer, _ = protocol.recv(conn, accept_fds=False)
+        if isinstance(answer, protocol.Error):
+            raise FastStartError(answer.what, answer.fix)
+    except (FastStartError, OSError) as e:
+        log.warning("fast-start: the daemon's answer to lease %d's hand-over: %s", reply.lease, e)
+
+
+def _give_back(conn: socket.socket, reply: protocol.Acquired) -> None:
+    """Release the lease of a reply the engine turns down; the daemon keeps the model."""
     try:
         request(conn, protocol.Release(reply.lease))
     except (FastStartError, OSError) as e:
@@ -311,7 +336,7 @@ def _use(reply: protocol.Acquired, batches: Iterator[list[int]], want: Fingerpri
         raise ArenaError(f"the daemon's manifest has invalid aliases {bad[:5]}", "evict and refill the model")
     weights = Weights(tensors, aliases, "cache", want)
     weights.engine = engine
-    weights.lease = reply.lease if mode == "zero_copy" else None   # a copy's lease ended with the reply
+    weights.lease = reply.lease if mode == "zero_copy" else None   # a copy's lease ended at its hand-over
     return weights
 
 

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 from .errors import FastStartError
 
-VERSION = 5                    # of every frame below; a worker of another version is refused
+VERSION = 6                    # of every frame below; a worker of another version is refused
 MAX_REQUEST = 1 << 20          # what the daemon reads from a client
 MAX_REPLY = 256 << 20          # manifests of large MoE models run to megabytes
 MAX_FDS = 253                  # the kernel's limit per message (SCM_MAX_FD)
@@ -132,6 +132,7 @@ class Acquire(Message):           # an engine's request (a partial one may be as
 class Release(Message):
     kind = "release"
     lease: int
+    copied: bool = False          # a copy-mode engine holds every fd of the reply: the hand-over is done
 
 
 class Evict(Message):
@@ -168,7 +169,7 @@ class Report(Message):
 class Acquired(Message):
     kind = "acquired"
     ATTACHED = "table"
-    lease: int                    # a copy-mode lease ends once this reply is sent
+    lease: int                    # a copy-mode lease ends with the engine's Release(copied=True)
     model: str
     manifest: dict                # "json": the manifest; "table": all of it but the tensors
     table: int = 0                # bytes of the tensor table (`table.py`) that follow this frame

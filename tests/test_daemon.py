@@ -263,13 +263,53 @@ def test_copy_mode_releases_and_drop_evicts(tmp_path, small, daemons):
     w = fast_start.fetch(spec, socket_dir=str(tmp_path / "run"), mode="copy", fallback=False)
     assert w.source == "cache"
     w["model.norm.weight"].add_(1)                       # ours to write
-    # The lease ends and the drop happens once the reply is out: on the daemon's side of it.
-    wait_until(lambda: status(d)["models"] == [], 10, "the copy's model dropped")
+    # The lease ends and the drop happens as the engine hands over, before fetch returns.
+    assert status(d)["models"] == []
     assert status(d)["leases"] == [] and evictions(d) == [("small", "release")]
     # The unit's STATUS= follows: it said one model at READY, and says the drop now.
     assert d.listener.texts("STATUS=ready: 1 model(s), 0.00 GiB cached in ")
     wait_until(lambda: d.listener.texts("STATUS=ready: 0 model(s), 0.00 GiB cached; small evicted"), 10,
                "STATUS= after the drop")
+
+
+# A copy engine that breaks off its hand-over: it asks, then dies with the reply unread ("kill"),
+# or reads every fd and dies before it says so ("read"), or turns the reply down ("give back").
+BROKEN_COPY = textwrap.dedent("""
+    import os, signal, sys
+    from fast_start import protocol
+    from fast_start.transport import connect, request
+    from fast_start.fingerprint import WeightSpec, fingerprint
+    from fast_start.watch import identity
+    fp = fingerprint(WeightSpec(sys.argv[1], engine_version="test"))
+    conn = connect(sys.argv[2], 5)
+    ask = protocol.Acquire(fp.to_dict(), "copy", identity(sys.argv[1]), protocol.VERSION)
+    if sys.argv[3] == "kill":
+        protocol.send(conn, ask)
+        os.kill(os.getpid(), signal.SIGKILL)
+    reply, fds = request(conn, ask, with_fds=True)
+    assert isinstance(reply, protocol.Acquired) and fds, reply
+    if sys.argv[3] == "give back":
+        request(conn, protocol.Release(reply.lease))
+    print("asked", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_copy_hand_over_that_breaks_off_leaves_the_cache_serving(tmp_path, small, daemons):
+    """With on_release = "drop", the daemon lets go of a model only once a copy engine says it
+    holds every fd: an engine killed before that, or one that turns the reply down, costs the
+    cache nothing, and the next copy still takes the cache's place."""
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)], on_release="drop")
+    d = daemons(cfg)
+    for how in ("kill", "read", "give back"):
+        p = subprocess.run([sys.executable, "-c", BROKEN_COPY, str(small), str(d.socket), how], timeout=60)
+        assert p.returncode == -signal.SIGKILL, how
+        wait_until(lambda: status(d)["leases"] == [], 10, f"the {how} engine's lease ended")
+        assert [m["name"] for m in status(d)["models"]] == ["small"] and evictions(d) == [], how
+    spec = fast_start.WeightSpec(str(small), engine_version="test")
+    w = fast_start.fetch(spec, socket_dir=str(tmp_path / "run"), mode="copy", fallback=False)
+    assert w.source == "cache" and status(d)["models"] == [] and evictions(d) == [("small", "release")]
+    assert re.search(r"lease \d+ on small handed over by pid %d" % os.getpid(), d.log.read_text())
 
 
 HOLDER = textwrap.dedent("""

@@ -29,6 +29,7 @@ from fast_start.checkpoint import open_checkpoint
 from fast_start.transport import connect, request
 from fast_start.fingerprint import WeightSpec, fingerprint
 from devtools.harness import write_config
+from fast_start.leases import MAX_LEASES_PER_PROCESS
 from fast_start.serve import MAX_CONNECTIONS_PER_UID
 from fast_start.watch import identity
 
@@ -82,9 +83,10 @@ def test_a_flood_of_zero_copy_fetches_costs_the_daemon_one_descriptor(tmp_path, 
     engine.communicate("done\n", timeout=60)
 
 
-def test_copy_leases_end_with_their_reply_and_do_not_pile_up(tmp_path, small, daemons):
-    """A copy is made from the fds the reply carries, so its lease ends as the reply is sent: a
-    process taking copies over and over holds nothing, and the daemon's descriptors stay flat."""
+def test_copy_leases_end_with_their_hand_over_and_do_not_pile_up(tmp_path, small, daemons):
+    """A copy's lease ends when the engine says it holds every fd (or with its process): a process
+    taking copies over and over holds nothing, one that never hands over holds a bounded number of
+    leases, and the daemon's descriptors stay flat."""
     d = start(tmp_path, small, daemons)
     msg = acquire(d.socket, small, "copy")
     before = open_fds(d.proc.pid)
@@ -94,10 +96,20 @@ def test_copy_leases_end_with_their_reply_and_do_not_pile_up(tmp_path, small, da
             assert isinstance(reply, protocol.Acquired) and reply.table > 0 and len(reply.attachment) == reply.table
             for fd in fds:
                 os.close(fd)
-        leases = request(conn, protocol.Status()).body["leases"]
-        assert leases == []
+            request(conn, protocol.Release(reply.lease, copied=True))
+        assert request(conn, protocol.Status()).body["leases"] == []
         with pytest.raises(fast_start.FastStartError, match=f"lease {reply.lease} is not held"):
             request(conn, protocol.Release(reply.lease))
+        held = []
+        for _ in range(MAX_LEASES_PER_PROCESS):
+            reply, fds = request(conn, msg, with_fds=True)
+            held.append(reply.lease)
+            for fd in fds:
+                os.close(fd)
+        with pytest.raises(fast_start.FastStartError, match=f"holds {MAX_LEASES_PER_PROCESS} leases"):
+            request(conn, msg, with_fds=True)
+        for lease in held:          # given back unused
+            request(conn, protocol.Release(lease))
     wait_until(lambda: open_fds(d.proc.pid) <= before, 10, "the connection closed, no descriptor left behind")
     still_serves(d, small)
 

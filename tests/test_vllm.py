@@ -9,6 +9,7 @@ default loader on the same checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -184,6 +185,15 @@ def test_features_that_write_weights_are_refused_at_start_in_zero_copy_only():
     assert refusal(config, "copy") is None and refusal(VllmConfig(), "zero_copy") is None
 
 
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.got: list[str] = []
+
+    def emit(self, record):
+        self.got.append(record.getMessage())
+
+
 def test_a_copy_engine_whose_daemon_drops_takes_its_bytes_over_in_vllms_start_up_accounting(tmp_path, checkpoints,
                                                                                              daemons):
     """With `on_release = "drop"` the memory the daemon holds for a copy engine's rank becomes the
@@ -194,7 +204,9 @@ def test_a_copy_engine_whose_daemon_drops_takes_its_bytes_over_in_vllms_start_up
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.mem_utils import MemorySnapshot
     from vllm.v1.worker.utils import request_memory
-    from fast_start.engines.vllm.loader import _count_as_free, _handover
+    from types import SimpleNamespace
+    from vllm.v1.worker import gpu_worker
+    from fast_start.engines.vllm.loader import _count_as_free, _handover, _starting, register
     from fast_start.engines.vllm.fill import one_rank
     run = tmp_path / "run"
     d = daemons(write_config(tmp_path / "drop.toml", run, [vllm_model("llama", checkpoints["llama"], [0])],
@@ -216,11 +228,27 @@ def test_a_copy_engine_whose_daemon_drops_takes_its_bytes_over_in_vllms_start_up
                      on_release="keep")
         d.proc.send_signal(signal.SIGHUP)
         wait_until(lambda: ask(d, protocol.Fingerprints())["on_release"] == "keep", what="the reload")
-        assert _handover(config["copy"]) == ("", 0) and _handover(config["zero_copy"]) == ("map", held)
+        assert _handover(config["copy"]) == ("keep", held) and _handover(config["zero_copy"]) == ("map", held)
 
-    total, cache_config = 10 * held, CacheConfig(gpu_memory_utilization=0.95)
-    snapshot = MemorySnapshot(device="cpu", auto_measure=False, total_memory=total, free_memory=total - held,
-                              cuda_memory=held, torch_memory=0, non_torch_memory=held)
+        # vLLM's check then fails with its own message; fast-start's line names the ways out.
+        register()
+        total, cache_config = 10 * held, CacheConfig(gpu_memory_utilization=0.95)
+        snapshot = MemorySnapshot(device="cpu", auto_measure=False, total_memory=total, free_memory=total - held,
+                                  cuda_memory=held, torch_memory=0, non_torch_memory=held)
+        _starting.append(SimpleNamespace(vllm_config=config["copy"]))
+        lines = Lines()
+        logging.getLogger("vllm.fast_start").addHandler(lines)     # vLLM's loggers do not propagate
+        try:
+            with pytest.raises(ValueError, match="Free memory on device"):
+                gpu_worker.request_memory(snapshot, cache_config)
+        finally:
+            _starting.clear()
+            logging.getLogger("vllm.fast_start").removeHandler(lines)
+        assert lines.got == [
+            f"fast-start: the daemon keeps its {held / 2**30:.2f} GiB for this rank beside this engine's copy "
+            '(on_release = "keep"), and vLLM counts them as used (fix: load with mode zero_copy, set on_release = '
+            '"drop" in the daemon\'s config, or lower gpu_memory_utilization)']
+
     with pytest.raises(ValueError, match="Free memory on device"):       # the daemon's bytes counted as used
         request_memory(snapshot, cache_config)
     _count_as_free(snapshot, held)

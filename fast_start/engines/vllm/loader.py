@@ -136,7 +136,15 @@ def _wrap_startup_check(counts_itself: bool) -> None:
             log.info("fast-start: the %.2f GiB this rank maps from the daemon count as free in vLLM's start-up "
                      "memory check", held / 2**30)
             return requested
-        return check(snapshot, cache_config, *args, **kwargs)
+        try:
+            return check(snapshot, cache_config, *args, **kwargs)
+        except ValueError:
+            if how == "keep":       # vLLM's own message names neither way out
+                log.error("fast-start: the daemon keeps its %.2f GiB for this rank beside this engine's copy "
+                          "(on_release = \"keep\"), and vLLM counts them as used (fix: load with mode zero_copy, "
+                          "set on_release = \"drop\" in the daemon's config, or lower gpu_memory_utilization)",
+                          held / 2**30)
+            raise
 
     gpu_worker.Worker.init_device = init
     gpu_worker.request_memory = request
@@ -144,8 +152,9 @@ def _wrap_startup_check(counts_itself: bool) -> None:
 
 def _handover(vllm_config, zero_copy: bool = True) -> tuple[str, int]:
     """What becomes of the bytes the daemon holds for exactly this rank: ("map", n) a zero_copy
-    engine maps them; ("drop", n) a copy engine takes them over; ("", 0) any other load, and a
-    zero_copy one unless `zero_copy` (the daemon is not asked then)."""
+    engine maps them; ("drop", n) a copy engine takes them over; ("keep", n) a copy engine copies
+    them beside the cache; ("", 0) any other load, and a zero_copy one unless `zero_copy` (the
+    daemon is not asked then)."""
     load = vllm_config.load_config
     if load.load_format != LOAD_FORMAT:
         return "", 0
@@ -158,8 +167,8 @@ def _handover(vllm_config, zero_copy: bool = True) -> tuple[str, int]:
         return "", 0
     if held and options.mode == "zero_copy":
         return "map", held
-    if held and on_release == "drop":
-        return "drop", held
+    if held:
+        return ("drop" if on_release == "drop" else "keep"), held
     return "", 0
 
 
