@@ -103,6 +103,12 @@ class Cache:
             self._retire(old)
         self.on_change()
 
+    def reconfigure(self, name: str, model: ModelConfig) -> None:
+        """A cached model kept by a reload serves under its new config (a renamed path shows)."""
+        with self.lock:
+            if name in self.entries:
+                self.entries[name].model = model
+
     def configure(self, models: tuple[str, ...], on_release: str, keep_free: int) -> None:
         """The models this GPU should hold (pending states of others are dropped), what a released
         copy does (`on_release`) and the bytes fills leave free for engines (`keep_free`)."""

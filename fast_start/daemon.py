@@ -160,29 +160,32 @@ class Daemon:
         return replace(cfg, models=tuple(models))
 
     def apply(self, cfg: configs.Config) -> list[str]:
-        """Serve by a reloaded (and resolved) `cfg`: models removed or whose fingerprint changed
-        are evicted, the rest kept; returns the configured models not cached (to be filled)."""
+        """Serve by a reloaded (and resolved) `cfg`: models removed, whose fingerprint changed or
+        whose files are not those of the fill are evicted, the rest kept (under the new config);
+        returns the configured models not cached (to be filled)."""
         new = {m.name: m for m in cfg.models_on(self.gpu)}
         changed = {}
         for name, entry in list(self.cache.entries.items()):
             m = new.get(name)
             try:
-                fields = entry.manifest.fingerprint.diff(fingerprint(m.spec(self.gpu))) if m else ()
+                why = _changed(entry, m, self.gpu) if m else "is no longer served"
             except FastStartError as e:     # storage away: keep serving what was filled
                 log.warning("reload: cannot read %s's checkpoint (%s); keeping it", name, e.what)
-                continue
-            if m is None or fields:
-                changed[name] = fields
+                why = None
+            if why:
+                changed[name] = why
+            elif m:
+                self.cache.reconfigure(name, m)
         if cfg.daemon.shared != self.cfg.daemon.shared:     # allowed users added or all removed: modes follow
             trust.prepare_socket_dir(self.directory, cfg.daemon.shared)
             os.chmod(socket_path(self.directory, self.gpu), 0o666 if cfg.daemon.shared else 0o600)
         self.cfg = cfg
         self.server.policy = Policy.of(cfg.daemon)
         self.cache.configure(tuple(new), cfg.daemon.on_release, memory.keep_free(cfg.daemon, self.gpu))
-        for name, fields in changed.items():
+        for name, why in changed.items():
             self.cache.evict(name, "config change", pending="filling")
             self.watch.remove(name)
-            log.info("reload: %s %s", name, f"changed its {', '.join(fields)}" if fields else "is no longer served")
+            log.info("reload: %s %s", name, why)
         for name, m in new.items():
             self.watch.add(name, m.path)
         return [name for name in new if name not in self.cache.entries]
@@ -509,6 +512,23 @@ class Daemon:
                 step()
             except OSError as e:
                 log.warning("shutting down: %s", e)
+
+
+def _changed(entry: Entry, m: configs.ModelConfig, gpu: int) -> str | None:
+    """Why `m` asks for other bytes than `entry` holds, in words; None if it asks for the same.
+
+    The fingerprint compares headers; a folder of the same shapes rotated in, or a shard rewritten
+    behind the same header, shows in the files' identity. A new path naming the same files (a
+    renamed folder, a bind mount) is the same checkpoint; files of the same path that cannot be
+    seen now (storage away) count as unchanged, as the keeper counts them."""
+    fields = entry.manifest.fingerprint.diff(fingerprint(m.spec(gpu)))
+    if fields:
+        return f"changed its {', '.join(fields)}"
+    files = watch.differs(entry.files, watch.identity(m.path), gone_is_change=m.path != entry.model.path)
+    if files:
+        where = f"{entry.model.path} -> {m.path}: " if m.path != entry.model.path else ""
+        return f"changed its files ({where}{files})"
+    return None
 
 
 def filled_manifest(model: str, msg: protocol.Filled, fds: list[int]) -> Manifest:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from typer.testing import CliRunner
 
 from probe import evictions, status, wait_until
@@ -86,6 +87,39 @@ def test_sighup_reloads_the_config_adding_changing_and_removing_models(tmp_path,
     d.proc.send_signal(signal.SIGHUP)
     wait_until(lambda: "reload failed, keeping the running config" in d.log.read_text(), what="the failed reload")
     assert status(d)["state"] == "ready" and len(status(d)["models"]) == 2
+
+
+def test_a_reload_rotating_to_a_folder_of_the_same_shapes_refills_and_a_renamed_one_is_kept(tmp_path, daemons):
+    """Headers alone do not tell two checkpoints apart: a folder of the same shapes and config.json
+    but other weights, rotated in by a reload, is refilled (status, engines and evictions agree);
+    the same files under a new path (a renamed folder) are the same checkpoint, served from there."""
+    from devtools import synth
+    shape = synth.Shape(num_layers=1)
+    old, new = synth.write_checkpoint(tmp_path / "old", shape, seed=1), synth.write_checkpoint(tmp_path / "new", shape, seed=2)
+    assert (old / "config.json").read_bytes() == (new / "config.json").read_bytes()
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "fs.toml", run, [model("small", old)])
+    d = daemons(cfg)
+    write_config(tmp_path / "fs.toml", run, [model("small", new)])
+    assert runner.invoke(app, ["reload", "--gpu", "0", "--config", str(cfg)]).exit_code == 0
+    wait_until(lambda: [m["path"] for m in status(d)["models"]] == [str(new)], what="the new folder filled")
+    assert evictions(d) == [("small", "config change")]
+    assert re.search(r"reload: small changed its files \(.*/old -> .*/new: config\.json is another file\)",
+                     d.log.read_text())
+    spec = fast_start.WeightSpec(str(new), engine_version="test")
+    w = fast_start.fetch(spec, socket_dir=str(run), fallback=False)
+    disk = fast_start.fetch(spec, socket_dir=str(tmp_path / "none"))
+    assert w.source == "cache" and all(torch.equal(w[n], disk[n]) for n in disk)
+    assert runner.invoke(app, ["verify", "--model", "small", "--config", str(cfg)]).exit_code == 0
+
+    filled_at = status(d)["models"][0]["filled_at"]
+    renamed = new.rename(tmp_path / "renamed")
+    write_config(tmp_path / "fs.toml", run, [model("small", renamed)])
+    assert runner.invoke(app, ["reload", "--gpu", "0", "--config", str(cfg)]).exit_code == 0
+    (m,) = status(d)["models"]
+    assert (m["path"], m["filled_at"]) == (str(renamed), filled_at) and len(evictions(d)) == 1
+    assert fast_start.fetch(fast_start.WeightSpec(str(renamed), engine_version="test"), socket_dir=str(run),
+                            fallback=False).source == "cache"
 
 
 def test_fast_start_reload_returns_once_the_daemon_has_read_the_config_and_fails_on_a_refused_one(
