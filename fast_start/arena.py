@@ -43,7 +43,7 @@ class MemfdWriter:
     device = "cpu"
 
     def __init__(self, size: int, name: str):
-        self.fd = os.memfd_create(f"fast-start:{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.fd = files.memfd(f"fast-start:{name}")
         try:
             os.ftruncate(self.fd, size)
         except OSError as e:

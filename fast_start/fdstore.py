@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from . import notify
 from .errors import FastStartError
-from .files import seal, sealed
+from .files import memfd, seal, sealed
 from .manifest import Manifest
 
 log = logging.getLogger("fast_start.daemon")
@@ -45,7 +45,7 @@ def store(model: str, manifest: Manifest, fds: list[int], filled_at: float, file
     names = [f"{PREFIX}-{key}-m"] + [f"{PREFIX}-{key}-a{j}" for j in range(len(fds))]
     record = json.dumps({"model": model, "manifest": manifest.to_dict(), "filled_at": filled_at,
                          "files": files}).encode()
-    mfd = os.memfd_create(f"fast-start:{model}-manifest", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    mfd = memfd(f"fast-start:{model}-manifest")
     try:
         view = memoryview(record)
         while view:

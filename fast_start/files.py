@@ -23,6 +23,15 @@ from pathlib import Path
 MAX_READ = 16 << 20
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 SEAL_WAIT_S = 10.0      # how long `seal` tries again while the kernel refuses it (EBUSY)
+MEMFD_NAME_MAX = 249    # memfd_create(2): bytes of a name, not counting its "memfd:" prefix
+
+
+def memfd(label: str) -> int:
+    """A new sealable, close-on-exec memfd. `label` only names it in /proc (a model's name, a
+    folder's): cut to the kernel's limit on a character boundary, without NULs, it never fails
+    the call, however long the name an operator chose."""
+    name = label.replace("\0", "").encode()[:MEMFD_NAME_MAX].decode(errors="ignore")
+    return os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
 
 
 class Unreadable(ValueError):
