@@ -29,7 +29,7 @@ from rich.table import Table
 from . import __version__, files, journal, protocol, reports, trust, watch
 from . import config as configs
 from .config import ConfigError
-from .errors import CheckpointError, FastStartError, NoDaemon, Refused
+from .errors import CheckpointError, FastStartError, NoDaemon, Refused, StartError
 from .fingerprint import Fingerprint, WeightSpec, checkpoint_hash, fingerprint
 from .headers import raw_header, size_fault, weight_files
 from .transport import DEFAULT_SOCKET_DIR, connect, request, socket_path, state_path
@@ -78,7 +78,7 @@ def fails(command):
         try:
             return command(*args, **kwargs)
         except FastStartError as e:
-            code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, (NoDaemon, TrustError)) else 1
+            code = 2 if isinstance(e, (ConfigError, StartError)) else 3 if isinstance(e, (NoDaemon, TrustError)) else 1
             raise error(e.what, e.fix, code, as_json) from None
         except MemoryError:
             raise error("out of memory", "raise the process's memory limit, e.g. LimitAS= or ulimit -v", 1,

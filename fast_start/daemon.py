@@ -44,7 +44,7 @@ from . import __version__, fdstore, files, memory, metrics, notify, protocol, re
 from . import config as configs
 from .cache import Cache, Entry
 from .leases import Limits
-from .errors import ConfigError, FastStartError, NoRoom
+from .errors import CheckpointError, ConfigError, FastStartError, NoRoom, StartError
 from .fill import FillError, Workers, worker_env
 from .fingerprint import FROM_FILES, fingerprint, requested
 from .journal import fields
@@ -190,13 +190,16 @@ class Daemon:
             self.watch.add(name, m.path)
         return [name for name in new if name not in self.cache.entries]
 
-    def check_models(self, models, workers: Workers) -> None:
-        """Every model's headers against its spec (in a worker), the total against the memory budget.
+    def check_models(self, models, workers: Workers, starting: bool = False) -> list[configs.ModelConfig]:
+        """Every model's headers against its spec (in a worker), the total against the memory
+        budget; returns the models to fill. Reads headers and config.json only, no tensor data.
 
-        Reads headers and config.json only, no tensor data.
-        """
+        A config error fails; at the start, a model whose checkpoint cannot be used (a folder
+        removed, a shard unreadable or truncated: `CheckpointError`) is left out, failed and named
+        (`broken`), so that one bad folder never costs the other models their cache."""
         with self.cache.lock:
             need = sum(e.nbytes for e in self.cache.entries.values())
+        usable = []
         for m in models:
             try:
                 for msg, _ in workers.get(self.cfg.python(m)).run(protocol.CheckJob(m.name, m.spec(self.gpu)._asdict())):
@@ -204,12 +207,27 @@ class Daemon:
                     self.sizes[m.name] = msg.bytes
             except ConfigError as e:
                 raise ConfigError(f"{self.cfg.path}: [[model]] {m.name!r}: {e.what}", e.fix) from None
+            except CheckpointError as e:
+                if not starting:
+                    raise
+                self.broken(m, e)
+                continue
+            usable.append(m)
         total = memory.device_total(self.cfg.daemon.device, self.gpu)
         budget = configs.parse_bytes(self.cfg.daemon.memory_budget, total)
         if need > budget:
             raise ConfigError(f"GPU {self.gpu}'s models need {configs.format_bytes(need)}, more than memory_budget "
                               f"{self.cfg.daemon.memory_budget!r} ({configs.format_bytes(budget)}) in {self.cfg.path}",
                               "raise memory_budget or serve fewer or smaller models on this GPU")
+        return usable
+
+    def broken(self, m: configs.ModelConfig, e: FastStartError) -> None:
+        """`m` cannot be filled now for a reason of its own: failed, named at priority err, and
+        looked at again by the keeper; the daemon serves the rest."""
+        log.error("%s cannot be filled: %s; the other models are served (fix: %s)", m.name, e.what,
+                  e.fix or "see fast-start status", extra=fields(m.name))
+        self.cache.set_pending(m.name, "failed", str(e))
+        self.keeper.put("retry", m.name)
 
     def write_state(self, state: str, **extra) -> None:
         record = reports.DaemonState(gpu=self.gpu, state=state, pid=os.getpid(), time=time.time(), version=__version__,
@@ -221,29 +239,41 @@ class Daemon:
 
     def fill(self, models, workers: Workers, starting: bool = False) -> None:
         """Fill `models`; each one is served as soon as its arena is complete."""
-        bandwidth = configs.parse_bytes(self.cfg.daemon.fill_bandwidth)
         for m in models:
-            self.room_for(m)
-            identity = watch.identity(m.path)       # before a byte of its data is read
-            writes = self.watch.writes(m.name)
-            job = protocol.FillJob(m.name, m.spec(self.gpu)._asdict(), self.device(), bandwidth,
-                                   configs.parse_bytes(self.cfg.daemon.arena_chunk))
-            for msg, fds in workers.get(self.cfg.python(m)).run(job):
-                if isinstance(msg, protocol.Progress):
-                    self.report_progress(msg, starting)
-                    continue
-                manifest = filled_manifest(m.name, msg, fds)
-                entry = Entry(m, manifest, fds, msg.seconds, identity)
-                entry.names = fdstore.store(m.name, manifest, fds, entry.filled_at, identity)
-                self.cache.add(entry)
-                log.info("cached %s rank %d: %s in %.1f s", m.name, manifest.fingerprint.rank,
-                         configs.format_bytes(entry.nbytes), msg.seconds,
-                         extra=fields(m.name, manifest.fingerprint.digest()))
-                if self.watch.writes(m.name) != writes:     # the files' identity may not show it
-                    self.keeper.stale(m.name, "a checkpoint file was written during the fill")
-                self.cache.metrics.inc("fast_start_fills_total", model=m.name)
-                self.cache.metrics.inc("fast_start_filled_bytes_total", entry.nbytes, model=m.name)
-                self.cache.metrics.set("fast_start_fill_seconds", msg.seconds, model=m.name)
+            try:
+                self.fill_one(m, workers, starting)
+            except CheckpointError as e:
+                if not starting:
+                    raise
+                self.broken(m, e)
+            except NoRoom as e:
+                if not starting:
+                    raise
+                self.keeper.wait_for_room(m.name, e)
+
+    def fill_one(self, m: configs.ModelConfig, workers: Workers, starting: bool) -> None:
+        """Fill `m` in a worker and serve it (and give it to systemd's fd store) once complete."""
+        self.room_for(m)
+        identity = watch.identity(m.path)       # before a byte of its data is read
+        writes = self.watch.writes(m.name)
+        job = protocol.FillJob(m.name, m.spec(self.gpu)._asdict(), self.device(),
+                               configs.parse_bytes(self.cfg.daemon.fill_bandwidth),
+                               configs.parse_bytes(self.cfg.daemon.arena_chunk))
+        for msg, fds in workers.get(self.cfg.python(m)).run(job):
+            if isinstance(msg, protocol.Progress):
+                self.report_progress(msg, starting)
+                continue
+            manifest = filled_manifest(m.name, msg, fds)
+            entry = Entry(m, manifest, fds, msg.seconds, identity)
+            entry.names = fdstore.store(m.name, manifest, fds, entry.filled_at, identity)
+            self.cache.add(entry)
+            log.info("cached %s rank %d: %s in %.1f s", m.name, manifest.fingerprint.rank,
+                     configs.format_bytes(entry.nbytes), msg.seconds, extra=fields(m.name, manifest.fingerprint.digest()))
+            if self.watch.writes(m.name) != writes:     # the files' identity may not show it
+                self.keeper.stale(m.name, "a checkpoint file was written during the fill")
+            self.cache.metrics.inc("fast_start_fills_total", model=m.name)
+            self.cache.metrics.inc("fast_start_filled_bytes_total", entry.nbytes, model=m.name)
+            self.cache.metrics.set("fast_start_fill_seconds", msg.seconds, model=m.name)
 
     def room_for(self, m: configs.ModelConfig) -> None:
         """NoRoom naming the shortfall where the device's free memory, less `keep_free`, cannot hold
@@ -370,8 +400,7 @@ class Daemon:
             for m in self.models:
                 self.watch.add(m.name, m.path)
             adopted = self.adopt(workers)
-            to_fill = [m for m in self.models if m.name not in adopted]
-            self.check_models(to_fill, workers)
+            to_fill = self.check_models([m for m in self.models if m.name not in adopted], workers, starting=True)
             self.write_state("loading")
             notify.status(f"filling {len(to_fill)} model(s), {len(adopted)} kept by systemd's fd store")
             self.fill(to_fill, workers, starting=True)
@@ -578,11 +607,19 @@ def _drain(fd: int) -> None:
 
 
 def run(config_path: str, gpu: int) -> int:
-    cfg = configs.load(config_path)
+    """The daemon's whole life. A model folder that cannot be used fails that model alone
+    (`Daemon.broken`); any other error it names fails the start as `StartError`: restarting
+    would fail the same way, so the unit ends failed (RestartPreventExitStatus=)."""
+    cfg = configs.load(config_path, check_paths=False)
     if not cfg.models_on(gpu):
         log.warning("%s lists no model for GPU %d; serving an empty cache", config_path, gpu)
     log.info("fast-start %s daemon for GPU %d (%s)", __version__, gpu, sys.executable)
-    return Daemon(cfg, gpu).run()
+    try:
+        return Daemon(cfg, gpu).run()
+    except ConfigError:
+        raise
+    except FastStartError as e:
+        raise StartError(e.what, e.fix) from None
 
 
 def _metrics_fix(e: OSError, folder: str) -> str:

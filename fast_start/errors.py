@@ -60,6 +60,11 @@ class Refused(NoDaemon):
     """A daemon runs but does not let this user in (or not for this request)."""
 
 
+class StartError(FastStartError):
+    """The daemon could not start, for a reason it names that a restart would not cure (another
+    daemon holds the GPU, a fill worker that cannot run): the unit ends failed, not restarting."""
+
+
 class NoRoom(FastStartError):
     """The device has too little free memory for a fill; `short` is by how many bytes."""
 

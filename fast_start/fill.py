@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 
 from . import __version__, notify, protocol
-from .errors import ConfigError, FastStartError
+from .errors import CheckpointError, ConfigError, FastStartError
 
 EXTEND_USEC = 30_000_000   # each EXTEND_TIMEOUT_USEC promises the next message within 30 s
 STALL_S = 300              # a worker with no progress for this long is declared hung
@@ -139,7 +139,8 @@ class Worker:
                     got = []
                 if isinstance(msg, protocol.Error):
                     self.busy = False
-                    raise (ConfigError if msg.config else FillError)(msg.what, msg.fix)
+                    raise (ConfigError if msg.config else CheckpointError if msg.checkpoint else FillError)(
+                        msg.what, msg.fix)
                 if wrong:
                     raise self._declare_hung(f"the fill worker {self.python} answered {job.model!r}'s {job.kind} with "
                                              f"a {msg.kind}" + (f" on {msg.model!r}" if other else ""),

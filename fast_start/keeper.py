@@ -41,7 +41,7 @@ class Host(Protocol):
     def resolve(self, cfg: configs.Config, workers: Workers) -> configs.Config: ...
     def apply(self, cfg: configs.Config) -> list[str]: ...
     def room_for(self, m: configs.ModelConfig) -> None: ...
-    def check_models(self, models, workers: Workers) -> None: ...
+    def check_models(self, models, workers: Workers, starting: bool = False) -> list[configs.ModelConfig]: ...
     def fill(self, models, workers: Workers, starting: bool = False) -> None: ...
 
 
@@ -59,6 +59,7 @@ class Keeper:
         self.jobs: queue.Queue = queue.Queue()
         self.retry: dict[str, float] = {}           # model -> when to try filling it
         self.seen: dict[str, watch.Identity] = {}   # files last seen of a model waiting to settle
+        self.tried: dict[str, watch.Identity] = {}  # files a model's last check found unusable
         self.short: set[str] = set()                # models whose fill waits for device memory (logged once)
         self.thread = threading.Thread(target=self.run, name="keeper", daemon=True)
 
@@ -141,14 +142,7 @@ class Keeper:
         """Fill `name` in the background: a stale or failed model once its checkpoint has settled,
         any other (asked for, new in the config, waiting for room) at once."""
         model = self.d.model(name)
-        if model is None or name in self.d.cache.entries or self.d.stop.is_set():
-            return
-        files = watch.identity(model.path)
-        changing = self.d.cache.state(name) in ("stale", "failed")
-        if changing and self.seen.get(name) != files:     # still changing: wait until it stays put
-            self.seen[name] = files
-            self.d.cache.set_pending(name, "stale", "waiting for the checkpoint's files to settle")
-            self.retry[name] = time.monotonic() + SETTLE_S
+        if model is None or name in self.d.cache.entries or self.d.stop.is_set() or not self.settled(name, model):
             return
         try:
             self.d.room_for(model)      # a size known from before: no worker starts while there is no room
@@ -159,10 +153,17 @@ class Keeper:
             try:
                 self.d.check_models([model], workers)
             except FastStartError as e:
-                self.d.cache.set_pending(name, "stale", f"waiting for a usable checkpoint: {e.what}")
+                if self.d.cache.state(name) == "failed":
+                    self.d.cache.set_pending(name, "failed", str(e))
+                else:
+                    self.d.cache.set_pending(name, "stale", f"waiting for a usable checkpoint: {e.what}")
+                self.tried[name] = self.seen.get(name)
+                log.warning("%s cannot be filled yet: %s (fix: %s)", name, e.what, e.fix or "see fast-start status",
+                            extra=fields(name))
                 self.retry[name] = time.monotonic() + RETRY_S
                 return
             self.seen.pop(name, None)
+            self.tried.pop(name, None)
             self.d.cache.set_pending(name, "filling")
             try:
                 self.d.fill([model], workers)
@@ -179,6 +180,25 @@ class Keeper:
             log.info("%s had room and is filled", name)
         self.d.watch.add(name, model.path)
         self.check(name)            # changed while it filled: stale again at once
+
+    def settled(self, name: str, model: configs.ModelConfig) -> bool:
+        """Whether `name` may be filled now: a stale or failed model once its files have stayed
+        the same for SETTLE_S, and not while they are those its last check found unusable (only a
+        change can help then; looked at again every RETRY_S, a stat of each file)."""
+        state = self.d.cache.state(name)
+        if state not in ("stale", "failed"):
+            return True
+        files = watch.identity(model.path)
+        if self.seen.get(name) != files:        # still changing: wait until it stays put
+            self.seen[name] = files
+            if state == "stale":                # a failed model keeps its reason meanwhile
+                self.d.cache.set_pending(name, "stale", "waiting for the checkpoint's files to settle")
+            self.retry[name] = time.monotonic() + SETTLE_S
+            return False
+        if self.tried.get(name) == files:
+            self.retry[name] = time.monotonic() + RETRY_S
+            return False
+        return True
 
     def wait_for_room(self, name: str, e: NoRoom) -> None:
         """`name`'s fill does not fit the device's free memory: it waits (whatever is cached keeps

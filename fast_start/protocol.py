@@ -194,6 +194,7 @@ class Error(Message):
     what: str
     fix: str = ""
     config: bool = False        # the configuration asks for what cannot be (a restart would not help)
+    checkpoint: bool = False    # the model's folder cannot be used (that model fails, not the daemon)
 
 
 class Progress(Message):                   # worker -> daemon during a fill

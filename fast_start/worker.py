@@ -23,7 +23,7 @@ import time
 import traceback
 
 from . import __version__, engines, protocol
-from .errors import FastStartError, is_config
+from .errors import CheckpointError, FastStartError, is_config
 from .fingerprint import WeightSpec
 
 PROGRESS_EVERY = 0.2   # seconds between progress frames
@@ -169,7 +169,7 @@ def main(argv: list[str]) -> int:
         try:
             HANDLERS[msg.kind](sock, msg, fds)
         except FastStartError as e:
-            protocol.send(sock, protocol.Error(e.what, e.fix, is_config(e)))
+            protocol.send(sock, protocol.Error(e.what, e.fix, is_config(e), isinstance(e, CheckpointError)))
         except MemoryError:
             protocol.send(sock, protocol.Error(f"the fill worker ran out of memory on {msg.model!r}",
                                                "raise its memory limit (LimitAS=, ulimit -v) or free host memory"))

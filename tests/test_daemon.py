@@ -548,3 +548,16 @@ def test_the_log_has_a_line_per_lease_release_miss_engine_exit_and_eviction(tmp_
     wait_until(lambda: "evicted small" in d.log.read_text(), 10)
     text = d.log.read_text()
     assert re.search(r"\n.*".join(lines), text, re.S), text
+
+
+def test_names_at_the_kernels_limits_are_served_and_stored(tmp_path, small, daemons):
+    """A model name of 77 CJK characters (231 bytes) and a folder name of 240 characters: memfd
+    names are cut to the kernel's 249 bytes, so the fill, systemd's fd store and engines work."""
+    import shutil
+    name = "模" * 77
+    folder = shutil.copytree(small, tmp_path / ("m" * 240))
+    d = daemons(write_config(tmp_path / "fs.toml", tmp_path / "run", [model(name, folder)]))
+    assert [m["name"] for m in status(d)["models"]] == [name] and len(d.listener.store) == 2
+    w = fast_start.fetch(fast_start.WeightSpec(str(folder), engine_version="test"), socket_dir=str(tmp_path / "run"),
+                         fallback=False)
+    assert w.source == "cache"

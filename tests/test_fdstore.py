@@ -89,3 +89,21 @@ def test_two_models_of_one_fingerprint_are_stored_and_readopted_apart(tmp_path, 
     second = daemons(cfg, listen=dict(first.listener.store))
     log = second.log.read_text()
     assert "re-adopted llama rank 0" in log and "re-adopted next rank 0" in log and "cached" not in log
+
+
+def test_a_restart_with_one_model_folder_removed_keeps_every_models_cache(tmp_path, llama, small, daemons):
+    """`rm -rf` of one served model's folder, then a crash: the restart re-adopts the healthy
+    model and what was filled from the removed folder (engines must still present the fill's
+    files to be served), instead of failing the start and losing the GPU's whole cache."""
+    victim = shutil.copytree(small, tmp_path / "victim")
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model(llama), {**model(victim), "name": "victim"}])
+    first = daemons(cfg)
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(30)
+    shutil.rmtree(victim)
+    second = daemons(cfg, listen=dict(first.listener.store))
+    log = second.log.read_text()
+    assert "re-adopted llama rank 0" in log and "re-adopted victim rank 0" in log and "cached" not in log, log
+    w = fast_start.fetch(fast_start.WeightSpec(str(llama), engine_version="test"), socket_dir=str(second.socket_dir),
+                         fallback=False)
+    assert w.source == "cache"

@@ -35,7 +35,7 @@ def test_a_second_daemon_for_the_same_gpu_fails_at_once_naming_the_first(tmp_pat
     first = daemons(cfg)
     state = (tmp_path / "run" / "gpu0.state").read_text()
     second = daemons(cfg, wait=False)
-    assert second.proc.wait(30) == 1
+    assert second.proc.wait(30) == 2       # a start it names: the unit does not restart it
     log = second.log.read_text()
     assert "Traceback" not in log
     assert [line for line in log.splitlines() if line.startswith("error")] == [f"error: GPU 0's daemon already runs (pid {first.proc.pid}, lock {tmp_path}/run/gpu0.lock) "
@@ -198,7 +198,7 @@ def test_a_memory_limit_the_worker_cannot_live_with_fails_the_start_in_one_line(
     # Enough for the daemon (no torch), too little for a worker to map torch's libraries.
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
     d = daemons(cfg, wait=False, rlimits={resource.RLIMIT_AS: 600 * 2**20})
-    assert d.proc.wait(120) == 1
+    assert d.proc.wait(120) == 2
     log = d.log.read_text()
     errors = [line for line in log.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and "cannot load torch" in errors[0] and "LimitAS=" in errors[0], log
@@ -227,3 +227,30 @@ def test_the_eviction_history_survives_a_restart_in_the_state_directory(tmp_path
     assert evictions(d) == [] and "cannot read the eviction history" in d.log.read_text()
     assert runner.invoke(app, ["evict", "--gpu", "0", "--model", "small", "--config", str(cfg)]).exit_code == 0
     assert [e["reason"] for e in json.loads((state / "gpu0.evictions.json").read_text())] == ["manual"]
+
+
+def test_a_start_with_one_model_folder_unusable_serves_the_others_and_names_it(tmp_path, small, llama_tied, daemons):
+    """A model whose folder is gone or holds a truncated shard fails alone: the daemon is ready with
+    the others cached, the broken one failed in status with the reason, one line at error naming
+    it, and it is filled once its folder is usable again."""
+    gone, truncated = tmp_path / "gone", shutil.copytree(small, tmp_path / "truncated")
+    with open(truncated / "model.safetensors", "r+b") as f:
+        f.truncate(f.seek(0, 2) - 1000)
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "fs.toml", run, [model("good", llama_tied), model("gone", gone),
+                                                   model("truncated", truncated)])
+    d = daemons(cfg)
+    s = status(d)
+    assert [m["name"] for m in s["models"]] == ["good"]
+    assert {m["name"]: m["state"] for m in s["missing"]} == {"gone": "failed", "truncated": "failed"}
+    details = {m["name"]: m["detail"] for m in s["missing"]}
+    assert "is not a folder" in details["gone"] and "truncated" in details["truncated"], details
+    errors = [line for line in d.log.read_text().splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 2 and all("cannot be filled" in e and "the other models are served (fix:" in e
+                                    for e in errors), errors
+    r = runner.invoke(app, ["status", "--config", str(cfg)], env={"COLUMNS": "200"})
+    assert r.exit_code == 1 and "failed" in r.stdout
+    shutil.copytree(small, gone)
+    wait_until(lambda: "gone" in [m["name"] for m in status(d)["models"]], what="the folder back and filled")
+    assert fast_start.fetch(fast_start.WeightSpec(str(gone), engine_version="test"), socket_dir=str(run),
+                            fallback=False).source == "cache"

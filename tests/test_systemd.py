@@ -379,12 +379,13 @@ def test_check_config_as_root_also_checks_as_the_unit_would(box):
 
 
 @pytest.mark.parametrize("extra,reason", [("colour = 3", "[daemon] has unknown key 'colour'"),
-                                          ('memory_budget = "1MB"', "more than memory_budget '1MB'")],
-                         ids=["unknown key", "budget"])
+                                          ('memory_budget = "1MB"', "more than memory_budget '1MB'"),
+                                          ('worker_python = "/usr/bin/true"', "the fill worker /usr/bin/true")],
+                         ids=["unknown key", "budget", "worker"])
 def test_a_config_error_ends_the_unit_failed_with_the_reason_at_priority_err(box, extra, reason):
-    """Found as the config loads or by the worker reading the model: either way exit status 2,
-    which the unit's RestartPreventExitStatus= keeps from restarting (no loop), and the reason in
-    the journal at priority err."""
+    """Found as the config loads, by the worker reading the model, or a worker that cannot run:
+    exit status 2, which the unit's RestartPreventExitStatus= keeps from restarting (no loop), and
+    the reason in the journal at priority err."""
     box.config.write_text(config_text(extra=extra))
     try:
         t0 = time.monotonic()
@@ -397,6 +398,58 @@ def test_a_config_error_ends_the_unit_failed_with_the_reason_at_priority_err(box
     finally:
         box.config.write_text(config_text())
         box.run("systemctl", "reset-failed", "fast-start@1", check=False)
+
+
+VICTIM = """
+[[model]]
+name = "victim"
+path = "/srv/victim"
+gpus = [0]
+engine_version = "test"
+"""
+
+
+def test_a_removed_model_folder_and_a_restart_keep_the_other_models_cache(box):
+    """`rm -rf` of one served model's folder, then `systemctl restart`: the unit comes back active
+    with its fd store, and engines of the other model hit without a fill."""
+    box.run("cp", "-a", "/srv/model", "/srv/victim")
+    try:
+        ready(box, config_text(models=LLAMA + VICTIM))
+        box.run("rm", "-rf", "/srv/victim")
+        since = now(box)
+        box.config.write_text(config_text(bandwidth=CRAWL, models=LLAMA + VICTIM))    # a fill would never end
+        crash_or_restart(box, "systemctl restart")
+        assert box.show("fast-start@0", "ActiveState") == "active"
+        assert int(box.show("fast-start@0", "NFileDescriptorStore")) > 0
+        log = journal_since(box, "fast-start@0", since)
+        assert "re-adopted llama rank 0" in log and "cached llama" not in log, log[-3000:]
+        got = engine(box)
+        assert got["source"] == "cache" and got["sums"] == box.want
+    finally:
+        box.run("rm", "-rf", "/srv/victim")
+        ready(box)
+
+
+def test_a_model_folder_the_unit_cannot_read_fails_that_model_alone_without_a_restart_loop(box):
+    """A shard the service user cannot read: the unit starts with the other model cached, never
+    restarts, and the reason is in the journal at priority err; `status` exits 1 naming it."""
+    box.run("cp", "-a", "/srv/model", "/srv/victim")
+    box.run("sh", "-c", "chmod 0600 /srv/victim/*.safetensors")
+    try:
+        box.run("systemctl", "stop", "fast-start@0")
+        box.config.write_text(config_text(models=LLAMA + VICTIM))
+        box.run("systemctl", "start", "fast-start@0", timeout=180)
+        state = {k: box.show("fast-start@0", k) for k in ("ActiveState", "NRestarts")}
+        assert state == {"ActiveState": "active", "NRestarts": "0"}
+        assert "victim failed" in box.show("fast-start@0", "StatusText")
+        errors = box.run("journalctl", "-p", "err", "-u", "fast-start@0", "--no-pager", "-o", "cat").stdout
+        assert "victim cannot be filled: cannot read /srv/victim/" in errors and "Permission denied" in errors, errors
+        s = status(box)
+        assert [m["name"] for m in s["models"]] == ["llama"] and s["missing"][0]["state"] == "failed"
+        assert engine(box)["source"] == "cache"
+    finally:
+        box.run("rm", "-rf", "/srv/victim")
+        ready(box)
 
 
 def test_two_instances_side_by_side_and_stopping_one_keeps_the_other(box):
