@@ -124,11 +124,12 @@ class Daemon:
 
     def __init__(self, tmp: Path, config: Path, gpu: int = 0, env: dict | None = None, log=None,
                  listen: dict[str, int] | None = None, rlimits: dict[int, int] | None = None,
-                 cwd: Path | None = None, python: str = sys.executable):
+                 cwd: Path | None = None, python: str = sys.executable, wrap: tuple[str, ...] = ()):
         """`listen`: FDNAME -> fd handed to the daemon as systemd does (LISTEN_FDS, from fd 3 on).
         `rlimits`: resource limits of the daemon (and its workers), e.g. {RLIMIT_NOFILE: 1024}.
         `cwd`: where it runs; `python -m` imports fast-start from there first (a benchmark's
-        baseline tree). `python`: the daemon's interpreter (its fill workers are the config's)."""
+        baseline tree). `python`: the daemon's interpreter (its fill workers are the config's).
+        `wrap`: a command the daemon runs under (`setpriv ...` to drop root's capabilities)."""
         self.config, self.gpu = config, gpu
         # Read the socket directory without validating: tests start daemons on bad configs on purpose.
         self.socket_dir = Path(tomllib.loads(config.read_text())["daemon"]["socket_dir"])
@@ -136,7 +137,7 @@ class Daemon:
         self.listener = NotifyListener(tmp / f"notify-{gpu}-{time.monotonic_ns()}", self.socket)
         self.log = Path(log or tmp / f"daemon-{gpu}-{next(self._count)}.log")
         full_env = {**os.environ, "NOTIFY_SOCKET": str(self.listener.path), **(env or {})}
-        command = [python, "-m", "fast_start.cli", "daemon", "--gpu", str(gpu), "--config", str(config)]
+        command = [*wrap, python, "-m", "fast_start.cli", "daemon", "--gpu", str(gpu), "--config", str(config)]
         listen = listen or {}
         if listen:
             full_env.update(LISTEN_FDS=str(len(listen)), LISTEN_FDNAMES=":".join(listen))

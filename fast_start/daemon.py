@@ -46,6 +46,7 @@ from .cache import Cache, Entry
 from .leases import Limits
 from .errors import CheckpointError, ConfigError, FastStartError, NoRoom, StartError
 from .fill import FillError, Workers, worker_env
+from .inflight import InFlight
 from .fingerprint import FROM_FILES, fingerprint, requested
 from .journal import fields
 from .keeper import Keeper
@@ -70,6 +71,14 @@ def device_id(device: str, gpu: int) -> str:
 def config_fields(model: configs.ModelConfig, gpu: int) -> dict:
     """The fingerprint fields the config alone decides (no checkpoint file read)."""
     return {k: v for k, v in requested(model.spec(gpu))._asdict().items() if not (k in FROM_FILES and v == "")}
+
+
+def inflight_budget(gpus: int) -> InFlight:
+    """What this daemon may have sent and not yet received (`inflight.py`): half its user's
+    descriptor limit, shared by the host's daemons (the rest is for the fill workers' and systemd's
+    sends); one uid a quarter of that."""
+    total = max(256, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // (2 * max(1, gpus)))
+    return InFlight(total, total // 4)
 
 
 def fd_budget() -> tuple[Limits, int]:
@@ -106,7 +115,8 @@ class Daemon:
         self.sizes: dict[str, int] = {}     # model -> its bytes, as the worker estimated them (check_models)
         if os.environ.get("STATE_DIRECTORY"):           # systemd's StateDirectory=: evictions survive restarts
             self.cache.history.keep(Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / f"gpu{gpu}.evictions.json")
-        self.server = Server(self.cache, Policy.of(cfg.daemon), max_connections)
+        self.server = Server(self.cache, Policy.of(cfg.daemon), max_connections,
+                             inflight_budget(len({g for m in cfg.models for g in m.gpus})))
         self.watch = watch.Watch()
         self.keeper = Keeper(self)
         self.epoll: select.epoll | None = None

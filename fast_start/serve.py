@@ -16,7 +16,9 @@ next, and one always waits. No client can lock others out:
   only where none is idle is it refused, with a reply naming the limit;
 - a connection waits at most `request_timeout_s` (the config's) for a request to begin, and a
   request (or a reply) must be complete within it: a peer trickling a byte a second is cut off;
-- descriptors sent to the daemon are discarded by the kernel (`protocol.recv`).
+- descriptors sent to the daemon are discarded by the kernel (`protocol.recv`);
+- descriptors sent *by* the daemon and not yet received are bounded per connection, per uid and
+  in all (`inflight.py`): a peer that asks and never reads cannot stop fd passing for others.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from . import protocol, transport, trust
 from .cache import Cache
 from .config import DaemonConfig
+from .inflight import InFlight
 
 log = logging.getLogger("fast_start.daemon")
 MAX_CONNECTIONS_PER_UID = 64
@@ -65,8 +68,8 @@ class Policy:
 
 
 class Server:
-    def __init__(self, cache: Cache, policy: Policy, max_connections: int):
-        self.cache, self.policy, self.max_connections = cache, policy, max_connections
+    def __init__(self, cache: Cache, policy: Policy, max_connections: int, inflight: InFlight):
+        self.cache, self.policy, self.max_connections, self.inflight = cache, policy, max_connections, inflight
         # uid -> its open connections, each with when it began to wait for a request (None: busy)
         self.open: dict[int, dict[socket.socket, float | None]] = {}
         self.lock = threading.Lock()
@@ -215,7 +218,7 @@ class Server:
             pass            # the peer went away or stalled: nothing of ours is left half-done
         finally:
             self.closed(conn, creds.uid)
-            conn.close()
+            self.inflight.close(conn)
 
     def _waits(self, conn: socket.socket, uid: int, waiting: bool) -> bool:
         """Mark `conn` as waiting for a request, or busy with one; False if it was closed to make room."""
@@ -237,6 +240,11 @@ class Server:
             log.exception("request %s from pid %d failed", msg.kind, peer.pid)
             reply, fds, done = protocol.Error(f"the daemon failed on a {msg.kind!r} request",
                                               "see the daemon's log"), [], lambda sent: None
+        full = self.inflight.room(conn, peer.uid, len(fds)) if fds else None
+        if full:
+            done(False)
+            reply, fds, done = protocol.Error(full, "read each reply before asking again, and close connections you "
+                                              "do not use"), [], lambda sent: None
         sent = False
         try:
             conn.settimeout(self.policy.timeout_s)
@@ -244,6 +252,8 @@ class Server:
             sent = True
         finally:
             done(sent)
+        if fds:
+            self.inflight.sent_on(conn, peer.uid, len(fds))
 
 
 def _refuse(conn: socket.socket, error: protocol.Error) -> None:

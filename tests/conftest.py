@@ -88,8 +88,8 @@ def daemons(tmp_path):
     from devtools.harness import Daemon
     started = []
 
-    def start(config, gpu=0, env=None, wait=True, listen=None, rlimits=None, python=sys.executable):
-        d = Daemon(tmp_path, config, gpu, env, listen=listen, rlimits=rlimits, python=python)
+    def start(config, gpu=0, env=None, wait=True, listen=None, rlimits=None, python=sys.executable, wrap=()):
+        d = Daemon(tmp_path, config, gpu, env, listen=listen, rlimits=rlimits, python=python, wrap=wrap)
         started.append(d)
         return d.wait_ready() if wait else d
     yield start

@@ -25,6 +25,7 @@ from probe import wait_until
 import fast_start
 from fast_start import protocol, serve
 from fast_start.cache import Cache
+from fast_start.inflight import InFlight
 from fast_start.checkpoint import open_checkpoint
 from fast_start.transport import connect, request
 from fast_start.fingerprint import WeightSpec, fingerprint
@@ -278,7 +279,7 @@ def test_connection_threads_wait_for_the_next_connection_and_spare_ones_end(monk
         return all_threads() - others
 
     monkeypatch.setattr(serve, "WAIT_S", 0.3)
-    server = serve.Server(Cache(0, "cpu", "keep"), serve.Policy(), max_connections=100)
+    server = serve.Server(Cache(0, "cpu", "keep"), serve.Policy(), max_connections=100, inflight=InFlight(1024, 256))
     assert threads() == set()               # none before serving begins
     server.start()
 
