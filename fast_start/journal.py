@@ -7,6 +7,10 @@ model `FAST_START_MODEL` and `FAST_START_FINGERPRINT` (pass them as `extra=field
 `journalctl -p err -u fast-start@0` shows why a start failed, and alerts can filter by model.
 Without that module each line is prefixed with its syslog priority (`<3>`), which journald reads
 from a service's stderr. Elsewhere (a terminal, a test) lines are plain.
+
+A message may quote what a client sent (a file name in its request): every record's message is
+made one printable line of at most `MAX_MESSAGE` characters (`printable`), so that no peer can
+forge a record (a newline and `<0>`), write control characters to a terminal, or flood the log.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import os
 import sys
 
 FORMAT = "%(levelname)s %(name)s: %(message)s"
+MAX_MESSAGE = 4096
 _PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
 
 
@@ -30,6 +35,20 @@ def under_journal() -> bool:
     except (OSError, ValueError, AttributeError):
         return False
     return os.environ.get("JOURNAL_STREAM", "") == f"{st.st_dev}:{st.st_ino}"
+
+
+def printable(text: str, limit: int = MAX_MESSAGE) -> str:
+    """`text` as one line: control characters (newlines, NULs, escapes) written as escapes, and cut
+    to `limit` characters, saying how many more there were."""
+    if len(text) > limit:
+        text = f"{text[:limit]}… ({len(text) - limit} more characters)"
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+class _OneLine(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = printable(record.getMessage()), ()
+        return True
 
 
 def fields(model: str, fingerprint: str = "") -> dict[str, str]:
@@ -62,6 +81,7 @@ def setup(gpu: int | None = None) -> None:
     if handler is None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(FORMAT))
+    handler.addFilter(_OneLine())
     root.addHandler(handler)
 
 

@@ -561,3 +561,26 @@ def test_names_at_the_kernels_limits_are_served_and_stored(tmp_path, small, daem
     w = fast_start.fetch(fast_start.WeightSpec(str(folder), engine_version="test"), socket_dir=str(tmp_path / "run"),
                          fallback=False)
     assert w.source == "cache"
+
+
+def test_what_a_client_sends_reaches_the_log_as_one_bounded_line(tmp_path, small, daemons):
+    """A file name in an Acquire is quoted in the miss line: a newline and `<0>` cannot forge a
+    record (journald reads a `<N>` prefix from a service's stderr), control characters are
+    escaped, and a 900,000-character name costs the log a few kB."""
+    from fast_start.fingerprint import WeightSpec, fingerprint
+    from fast_start.watch import identity
+    d = daemons(write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)]))
+    fp = fingerprint(WeightSpec(str(small), engine_version="test")).to_dict()
+    before = d.log.stat().st_size
+    for name in ("\n<0>forged emergency\0\x1b[2J", "n" * 900_000):
+        with connect(d.socket, 5) as conn:
+            reply = request(conn, protocol.Acquire(fp, "zero_copy", {**identity(small), name: [1, 2, 3, 4]},
+                                                   protocol.VERSION))
+        assert isinstance(reply, protocol.Miss) and reply.fields == ["files"]
+    wait_until(lambda: d.log.read_text().count("miss for pid") == 2, 10, "both misses logged")
+    lines = d.log.read_text()[before:].splitlines()
+    assert not [l for l in lines if not l.startswith(("INFO ", "WARNING ", "ERROR "))], lines
+    assert "\\n<0>forged emergency\\x00\\x1b[2J was added" in lines[0]
+    assert d.log.stat().st_size - before < 10_000
+    assert fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"), socket_dir=str(tmp_path / "run"),
+                            fallback=False).source == "cache"
