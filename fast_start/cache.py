@@ -84,6 +84,7 @@ class Cache:
         self.entries: dict[str, Entry] = {}
         self.leases = Leases(limits, on_process)        # under `lock`
         self.configured: tuple[str, ...] = ()          # models this GPU should hold
+        self.folders: tuple[str, ...] = ()             # their paths: what a non-admin's reply never names
         self.pending: dict[str, reports.Missing] = {}   # configured but not cached
         self.former: dict[str, tuple[Fingerprint, str]] = {}   # a pending model's evicted fingerprint, why
         self.history = History()
@@ -109,11 +110,13 @@ class Cache:
             if name in self.entries:
                 self.entries[name].model = model
 
-    def configure(self, models: tuple[str, ...], on_release: str, keep_free: int) -> None:
-        """The models this GPU should hold (pending states of others are dropped), what a released
-        copy does (`on_release`) and the bytes fills leave free for engines (`keep_free`)."""
+    def configure(self, models: tuple[str, ...], on_release: str, keep_free: int, folders: tuple[str, ...] = ()) -> None:
+        """The models this GPU should hold (pending states of others are dropped) and their
+        `folders`, what a released copy does (`on_release`) and the bytes fills leave free for
+        engines (`keep_free`)."""
         with self.lock:
             self.configured, self.on_release, self.keep_free = models, on_release, keep_free
+            self.folders = tuple(sorted(set(folders), key=len, reverse=True))
             for name in [n for n in self.pending if n not in models]:
                 del self.pending[name]
         self.metrics.zero("fast_start_refused_peers_total")
@@ -273,13 +276,19 @@ class Cache:
         return protocol.Miss("fingerprint differs", list(closest.manifest.fingerprint.diff(want)), closest.model.name)
 
     def _missed(self, peer: Peer, miss: protocol.Miss) -> protocol.Miss:
-        """Count and log a miss (one line naming the engine and the fingerprint fields that differ)."""
+        """Count and log a miss (one line naming the engine and the fingerprint fields that differ);
+        the reply, for a peer that is not an admin, with no model folder in it."""
         log.info("miss for pid %d uid %d: %s%s", peer.pid, peer.uid, miss.reason,
                  f"; differing fields: {', '.join(miss.fields)}" if miss.fields else "")
         reason = next((f for f in ("memory", "access", "files") if f in miss.fields), None) or \
             ("fingerprint" if miss.fields else "evicted" if miss.reason.startswith("evicted") else "not_cached")
         self.metrics.inc("fast_start_cache_misses_total", model=miss.model or "", reason=reason)
-        return miss
+        if peer.admin:
+            return miss
+        text = miss.reason
+        for folder in self.folders:
+            text = text.replace(folder, "the model's folder")
+        return protocol.Miss(text, miss.fields, miss.model, miss.fix)
 
     def _files_miss(self, entry: Entry, theirs) -> protocol.Miss:
         """The engine's files are not those of the fill: the checkpoint changed, or it is another copy."""

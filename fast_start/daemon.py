@@ -111,7 +111,7 @@ class Daemon:
                            on_process=self.watch_process, on_stale=lambda name, why: self.keeper.stale(name, why),
                            on_fill=lambda name: self.keeper.put("fill", name))
         self.cache.configure(tuple(m.name for m in self.models), cfg.daemon.on_release,
-                             memory.keep_free(cfg.daemon, gpu))
+                             memory.keep_free(cfg.daemon, gpu), tuple(m.path for m in self.models))
         self.sizes: dict[str, int] = {}     # model -> its bytes, as the worker estimated them (check_models)
         if os.environ.get("STATE_DIRECTORY"):           # systemd's StateDirectory=: evictions survive restarts
             self.cache.history.keep(Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / f"gpu{gpu}.evictions.json")
@@ -191,7 +191,8 @@ class Daemon:
             os.chmod(socket_path(self.directory, self.gpu), 0o666 if cfg.daemon.shared else 0o600)
         self.cfg = cfg
         self.server.policy = Policy.of(cfg.daemon)
-        self.cache.configure(tuple(new), cfg.daemon.on_release, memory.keep_free(cfg.daemon, self.gpu))
+        self.cache.configure(tuple(new), cfg.daemon.on_release, memory.keep_free(cfg.daemon, self.gpu),
+                             tuple(m.path for m in new.values()))
         for name, why in changed.items():
             self.cache.evict(name, "config change", pending="filling")
             self.watch.remove(name)

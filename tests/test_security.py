@@ -230,7 +230,8 @@ def test_socket_is_0600_and_no_abstract_socket_is_created(tmp_path, small, daemo
 @root_only
 def test_a_uid_that_cannot_read_the_checkpoint_gets_no_weights_from_the_cache(tmp_path, open_dir, small, daemons):
     """Knowing a model's fingerprint and its files' identities (`fast-start fingerprints` shows
-    them) is not reading it: the daemon serves only an engine that could read the files itself."""
+    them) is not reading it: the daemon serves only an engine that could read the files itself.
+    Its misses name no model folder to a peer that is not an admin."""
     secret = shutil.copytree(small, open_dir / "secret")
     secret.chmod(0o700)                                  # root's alone
     folder = readable_copy(small, open_dir)
@@ -241,7 +242,13 @@ def test_a_uid_that_cannot_read_the_checkpoint_gets_no_weights_from_the_cache(tm
     for path in (secret, folder):
         fp = fingerprint(fast_start.WeightSpec(str(path), engine_version="test"), open_checkpoint(path)).to_dict()
         asked.append(as_nobody(d.socket, "acquire " + json.dumps([fp, identity(path)])))
-    assert asked == [f"miss uid 65534 cannot read {secret}/config.json 0", "acquired  1"]
+    # The reply names no folder to a peer that is not an admin (the log does, for the operator).
+    assert asked == ["miss uid 65534 cannot read the model's folder/config.json 0", "acquired  1"]
+    assert "miss for pid" in d.log.read_text() and f"cannot read {secret}/config.json" in d.log.read_text()
+    fp = fingerprint(fast_start.WeightSpec(str(folder), engine_version="test"), open_checkpoint(folder)).to_dict()
+    other = as_nobody(d.socket, "acquire " + json.dumps([fp, {**identity(folder), "extra.safetensors": [1, 2, 3, 4]}]))
+    assert other.startswith("miss the engine's checkpoint files are not those the daemon cached from the model's "
+                            "folder (extra.safetensors was added)") and str(open_dir) not in other, other
     assert fast_start.fetch(fast_start.WeightSpec(str(secret), engine_version="test"),
                             socket_dir=str(open_dir / "run"), fallback=False).source == "cache"   # root may
 
