@@ -247,6 +247,10 @@ def _check_daemon(d: DaemonConfig, path: str) -> None:
             'each GPU\'s daemon writes its own file: e.g. "/var/lib/prometheus/node-exporter/fast-start-gpu{gpu}.prom"')
     if not Path(d.socket_dir).is_absolute():
         bad("socket_dir", f"is {d.socket_dir!r}, not an absolute path", "use an absolute path such as /run/fast-start")
+    if d.metrics_file and _within(Path(d.metrics_file).parent, Path(d.socket_dir)):
+        # Its atomic write renames over whatever holds the name: a socket, the GPUs' state files.
+        bad("metrics_file", f"is {d.metrics_file!r}, inside socket_dir {d.socket_dir!r}",
+            "write it where node_exporter reads textfiles, e.g. /var/lib/prometheus/node-exporter")
     for key in ("allowed_groups", "admin_groups"):
         for name in getattr(d, key):
             try:
@@ -268,6 +272,11 @@ def _check_daemon(d: DaemonConfig, path: str) -> None:
         bad("request_timeout_s", f"is {d.request_timeout_s}", "write whole seconds from 1 to 300 (default 10)")
     if not MIN_CHUNK <= parse_bytes(d.arena_chunk) <= MAX_CHUNK:
         bad("arena_chunk", f"is {d.arena_chunk!r}", "write a size from 64KiB to 2GiB (default 512MiB)")
+
+
+def _within(folder: Path, root: Path) -> bool:
+    """Whether `folder` is `root` or inside it, as written or with symlinks resolved."""
+    return any(f == r or r in f.parents for f, r in ((folder, root), (folder.resolve(), root.resolve())))
 
 
 def _by_engine() -> str:

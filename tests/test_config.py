@@ -47,6 +47,8 @@ def test_example_config_validates(small, tmp_path):
     (('dtype = "bfloat16"', 'dtype = "int8"'), "key 'dtype' is 'int8'"),
     (('[[model]]', 'model = 3\n[[modelx]]'), "unknown section or key"),
     (('socket_dir = "/run/fast-start"', 'socket_dir = "run"'), "not an absolute path"),
+    (('metrics_file = ""', 'metrics_file = "/run/fast-start/gpu{gpu}.sock"'),
+     "key 'metrics_file' is '/run/fast-start/gpu{gpu}.sock', inside socket_dir '/run/fast-start'"),
     (('name = "qwen3-8b"', 'name = "qwen3-8b"\n[broken'), "is not valid TOML"),
 ])
 def test_bad_config_names_file_key_and_fix(small, tmp_path, edit, message):
