@@ -13,6 +13,7 @@ Finding the files, reading raw headers and config.json is `headers.py`'s (no tor
 from __future__ import annotations
 
 import json
+import os
 import struct
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from safetensors import SafetensorError, safe_open
 
 from . import dtypes
 from .errors import CheckpointError
-from .headers import INDEX, MAX_HEADER, ModelDims, read_index, raw_header, read_config, required_tensors, shard_files
+from .headers import (INDEX, MAX_HEADER, ModelDims, open_file, read_index, raw_header, read_config, required_tensors,
+                      shard_files)
 
 DTYPES = {d.code: dtypes.torch_dtype(d.name) for d in dtypes.TABLE if hasattr(torch, d.name)}
 
@@ -135,8 +137,8 @@ def _dtype(path: Path, name: str, code: str) -> torch.dtype:
 def _validated_header(path: Path) -> tuple[bytes, dict]:
     """Let safetensors validate the file, then parse the header ourselves (duplicates, diagnosis)."""
     try:
-        with open(path, "rb"):
-            pass          # a plain open first: safetensors reports EACCES as "No such file or directory"
+        os.close(open_file(path))    # first: safetensors reports EACCES as "No such file or directory",
+        # and would block on a FIFO
         with safe_open(str(path), framework="pt"):
             pass
     except SafetensorError as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import NamedTuple
@@ -59,10 +60,26 @@ class ModelDims(NamedTuple):
     quantization_config: dict | None = None
 
 
+def open_file(path: Path) -> int:
+    """An fd to read checkpoint file `path`, opened without blocking: a FIFO or device planted
+    where a file belongs fails at once instead of stalling the reader (a worker, check-config).
+    Refused unless a regular file; a symlink to one is fine (snapshots link into a blob store)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path} is not a regular file", "put the model's own file there")
+    return fd
+
+
+def read_file(path: Path) -> bytes:
+    with os.fdopen(open_file(path), "rb") as f:
+        return f.read()
+
+
 def _config_json(folder: Path) -> tuple[Path, dict, str | None]:
     path = folder / "config.json"
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(read_file(path))
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing", "copy the model's config.json next to its weights") from None
     except OSError as e:
@@ -161,7 +178,7 @@ def raw_header(path: Path, identities: dict[str, list[int]] | None = None) -> by
     """The 8-byte little-endian length and the JSON header, as stored. With `identities`, the
     file's identity (`file_identity`) is recorded there under its name, from the same open."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_file(path)
         try:
             head = os.pread(fd, 8, 0)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
@@ -259,7 +276,7 @@ def _index(index: Path) -> tuple[dict[str, str], frozenset[str]]:
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         if index in _INDEXES and _INDEXES[index][0] == key:
             return _INDEXES[index][1:]
-        weight_map = json.loads(index.read_bytes()).get("weight_map")
+        weight_map = json.loads(read_file(index)).get("weight_map")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
         raise CheckpointError(f"{index} is not a readable index: {e}", "restore the model's index file") from None
     try:        # the distinct values, at C speed (an MoE index names ~10,000 tensors in a handful of files)

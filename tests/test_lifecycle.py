@@ -254,3 +254,23 @@ def test_a_start_with_one_model_folder_unusable_serves_the_others_and_names_it(t
     wait_until(lambda: "gone" in [m["name"] for m in status(d)["models"]], what="the folder back and filled")
     assert fast_start.fetch(fast_start.WeightSpec(str(gone), engine_version="test"), socket_dir=str(run),
                             fallback=False).source == "cache"
+
+
+def test_a_fifo_where_a_checkpoint_file_belongs_fails_that_model_at_once(tmp_path, small, llama_tied, daemons):
+    """A FIFO config.json (or shard) is never opened blocking: the daemon, check-config and the
+    keeper go on, the model failed with the reason, another model's refill not held up."""
+    fifo = shutil.copytree(small, tmp_path / "fifo")
+    (fifo / "config.json").unlink()
+    os.mkfifo(fifo / "config.json")
+    other = shutil.copytree(llama_tied, tmp_path / "other")
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "fs.toml", run, [model("fifo", fifo), model("other", other)])
+    r = runner.invoke(app, ["check-config", "--config", str(cfg)])
+    assert r.exit_code != 0 and f"{fifo}/config.json is not a regular file" in r.stdout + r.stderr, r.stdout
+    d = daemons(cfg)
+    (missing,) = status(d)["missing"]
+    assert missing["state"] == "failed" and f"{fifo}/config.json is not a regular file" in missing["detail"]
+    filled_at = status(d)["models"][0]["filled_at"]
+    (other / "config.json").write_text((other / "config.json").read_text())      # a rewrite: refilled
+    wait_until(lambda: [m["filled_at"] for m in status(d)["models"] if m["name"] == "other"] not in ([filled_at], []),
+               what="the other model refilled")
