@@ -271,8 +271,14 @@ class Cache:
                 why = "checkpoint changed since the fill" if changed else f"evicted ({reason})"
                 return protocol.Miss(f"{why}; {name} is {state.state}" + (f": {state.detail}" if state.detail else ""),
                                      ["files"] if changed else [], name, "see fast-start status")
+        if closest is None and self.pending:
+            states = "; ".join(f"{name} is {p.state}" + (f" ({p.detail})" if p.detail else "")
+                               for name, p in self.pending.items())
+            return protocol.Miss(f"no model is cached now: {states}", [], "",
+                                 "see fast-start status; a model is served as soon as its fill completes")
         if closest is None:
-            return protocol.Miss("this daemon caches no model")
+            return protocol.Miss("this daemon caches no model", [], "", "add the model to the daemon's config "
+                                 "([[model]] with this GPU in gpus) and run systemctl reload")
         return protocol.Miss("fingerprint differs", list(closest.manifest.fingerprint.diff(want)), closest.model.name)
 
     def _missed(self, peer: Peer, miss: protocol.Miss) -> protocol.Miss:

@@ -584,3 +584,17 @@ def test_what_a_client_sends_reaches_the_log_as_one_bounded_line(tmp_path, small
     assert d.log.stat().st_size - before < 10_000
     assert fast_start.fetch(fast_start.WeightSpec(str(small), engine_version="test"), socket_dir=str(tmp_path / "run"),
                             fallback=False).source == "cache"
+
+
+def test_a_miss_while_the_only_model_is_not_cached_names_its_state(tmp_path, small, daemons):
+    """Evicted (or filling, failed): the miss says which model and why, not that the daemon
+    caches no model."""
+    d = daemons(write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)]))
+    with connect(d.socket, 5) as conn:
+        request(conn, protocol.Hello(protocol.VERSION))
+        request(conn, protocol.Evict("small"))
+    spec = fast_start.WeightSpec(str(small), engine_version="other")        # not the evicted fingerprint
+    with pytest.raises(CacheMiss) as e:
+        fast_start.fetch(spec, socket_dir=str(tmp_path / "run"), fallback=False)
+    assert e.value.what == "no model is cached now: small is evicted (manual)", e.value.what
+    assert e.value.fix == "see fast-start status; a model is served as soon as its fill completes"
