@@ -472,6 +472,7 @@ def _deep_compare(directory: str, gpu: int, stored: Fingerprint, spec: WeightSpe
     bar = Progress("{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                    console=Console(stderr=True), transient=True, disable=as_json or not sys.stderr.isatty())
     try:
+        _runnable_by_root(Path(python))
         with bar, Worker(python, worker_env(1), threading.Event()) as worker:
             task = bar.add_task(f"GPU {gpu} {reply.model}: verifying", total=None)
             job = protocol.VerifyJob(reply.model, reply.manifest, spec._asdict())
@@ -525,9 +526,9 @@ def install_engine(python: Path = typer.Argument(..., help="the engine environme
     if not wheel.name.startswith(f"fast_start-{__version__}-"):
         raise FastStartError(f"{wheel.name} is not fast-start {__version__}, the version here",
                              f"pass the wheel of fast-start {__version__}")
+    _runnable_by_root(python)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    # cwd "/": `python -c` imports from the working directory first (a checkout would shadow it).
-    run = functools.partial(subprocess.run, capture_output=True, text=True, env=env, timeout=600, cwd="/")
+    run = functools.partial(_run, env=env)
     # Its dependencies (torch, safetensors) are the engine's own: only this wheel is installed.
     if run([str(python), "-m", "pip", "--version"]).returncode == 0:
         command = [str(python), "-m", "pip", "install", "--no-index", "--no-deps", "--force-reinstall",
@@ -547,7 +548,7 @@ def install_engine(python: Path = typer.Argument(..., help="the engine environme
     if checked.returncode:
         raise FastStartError(f"{python} does not import fast-start after the install: "
                              f"{(checked.stderr.strip().splitlines() or [''])[-1]}", "")
-    got = json.loads(checked.stdout)
+    got = _engine_report(python, checked.stdout)
     result = {"python": str(python), "wheel": str(wheel), "command": command, **got}
     problems = [*([f"it imports fast-start {got['version']} from {got['file']}, not {__version__}"]
                   if got["version"] != __version__ else []),
@@ -561,6 +562,45 @@ def install_engine(python: Path = typer.Argument(..., help="the engine environme
         f"{python}: fast-start {r['version']} installed ({r['file']}); vLLM plugin {r['plugin'][0]}"
         + ("" if r["torch"] else "\nwarning: torch is not installed there: the fill worker and engines need it"),
         soft_wrap=True, highlight=False))
+
+
+INSTALL_TIMEOUT_S = 600     # for pip; the checks before and after it take seconds
+
+
+def _run(command: list[str], env: dict):
+    """`command`, its output captured, in "/" (`python -c` imports from the working directory
+    first: a checkout would shadow the environment); one that does not finish is named."""
+    import subprocess
+    try:
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=INSTALL_TIMEOUT_S, cwd="/")
+    except subprocess.TimeoutExpired:
+        raise FastStartError(f"{' '.join(command[:3])} did not finish within {INSTALL_TIMEOUT_S:g} s",
+                             f"run it by hand to see where it waits: {' '.join(command)}") from None
+
+
+def _engine_report(python: Path, stdout: str) -> dict:
+    """What CHECK_ENGINE printed, as its last line: an interpreter may print a banner first."""
+    lines = stdout.strip().splitlines()
+    try:
+        got = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        got = None
+    keys = {"version", "file", "prefix", "plugin", "torch"}
+    if not isinstance(got, dict) or set(got) != keys:
+        raise FastStartError(f"{python} did not answer fast-start's check as a Python interpreter would "
+                             f"(its last line: {(lines or [''])[-1][:200]!r})",
+                             "name the engine environment's own python, not a wrapper that prints or answers "
+                             "otherwise")
+    return got
+
+
+def _runnable_by_root(python: Path) -> None:
+    """As root, refuse to run `python` where another user could change what it runs."""
+    writable = trust.others_can_write(python) if os.geteuid() == 0 else None
+    if writable:
+        raise FastStartError(f"{python}: {writable}, so running it as root would run that user's code",
+                         "run this as the environment's owner, or give the environment to root "
+                         "(chown -R root: and chmod go-w)")
 
 
 @app.command("check-config")
@@ -641,6 +681,11 @@ def _worker_checks(cfg: configs.Config) -> list[dict]:
     import subprocess
     rows = []
     for python in sorted({cfg.python(m) for m in cfg.models}):
+        try:
+            _runnable_by_root(Path(python))
+        except FastStartError as e:
+            rows.append({"check": f"worker {python}", "ok": False, "detail": str(e)})
+            continue
         named = sorted({m.filler.module for m in cfg.models if cfg.python(m) == python and m.filler})
         modules = ", ".join(["fast_start", "torch", *named])
         code = ("import fast_start, fast_start.protocol as p; print(fast_start.__version__, p.VERSION, flush=True); "

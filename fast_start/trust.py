@@ -192,3 +192,34 @@ def _acl(path: Path) -> list[tuple[int, int, int]] | None:
             return None
         raise
     return [_ACL_ENTRY.unpack_from(raw, at) for at in range(4, len(raw) - _ACL_ENTRY.size + 1, _ACL_ENTRY.size)]
+
+
+def others_can_write(python: str | Path) -> str | None:
+    """Where someone other than this user (and root) could change what `python` runs, or None.
+
+    Root must not run code from an environment another user can write (a `.pth` line in its
+    site-packages runs at every start): the interpreter and each folder on the way to it (the
+    path as given and as resolved), the environment's folder (a venv's `pyvenv.cfg` beside its
+    `bin`), its site-packages and what lies at their top."""
+    given = Path(python).absolute()
+    paths = [given, *given.parents]
+    real = Path(os.path.realpath(given))
+    paths += [real, *real.parents]
+    env = given.parent.parent
+    if (env / "pyvenv.cfg").exists():
+        paths.append(env)
+        for site in env.glob("lib*/python3*/site-packages"):
+            paths += [site, site.parent, site.parent.parent, *site.iterdir()]
+    me = os.geteuid()
+    for path in dict.fromkeys(paths):
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if st.st_uid not in (0, me):
+            return f"{path} belongs to uid {st.st_uid}"
+        # A sticky folder (/tmp) lets others add names, not replace the ones checked here.
+        if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and \
+                not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX):
+            return f"{path} is writable by its group or by anyone (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None

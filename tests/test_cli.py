@@ -441,3 +441,67 @@ def test_a_metrics_file_that_cannot_be_written_gets_the_fix_for_its_cause():
     group = grp.getgrgid(os.getegid()).gr_name
     assert f"chgrp {group} {folder} && chmod g+w {folder}" in _metrics_fix(OSError(errno.EACCES, "denied"), folder)
     assert _metrics_fix(OSError(errno.ENOENT, "No such file"), folder).startswith(f"create {folder}")
+
+
+FAKE_PYTHON = """#!/bin/sh
+# pip is played here (nothing is installed); `-c` runs the real interpreter, after a banner or instead
+case "$1 $2" in
+    "-m pip") [ "$3" = "--version" ] && [ -n "$HANG" ] && sleep 60; exit 0 ;;
+esac
+echo "Welcome to the engine environment"
+[ -n "$OTHER_JSON" ] && { echo '{"hello": 1}'; exit 0; }
+exec {python} "$@"
+"""
+
+
+@pytest.mark.parametrize("how", ["banner", "other json", "hang"])
+def test_install_engine_through_an_odd_interpreter_says_so_in_one_line(tmp_path, monkeypatch, how):
+    """An interpreter that prints a banner first is fine; one that answers other JSON, or hangs,
+    is named in one line, never a traceback."""
+    python = tmp_path / "env" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(FAKE_PYTHON.replace("{python}", sys.executable))
+    python.chmod(0o755)
+    wheel = tmp_path / f"fast_start-{fast_start.__version__}-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    monkeypatch.setenv("OTHER_JSON" if how == "other json" else "HANG" if how == "hang" else "BANNER", "1")
+    monkeypatch.setattr("fast_start.cli.INSTALL_TIMEOUT_S", 2)
+    r = cli("install-engine", python, "--wheel", wheel)
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    if how == "banner":         # read past it: what the check found is judged (this checkout's editable install)
+        assert f"{python}: it imports fast-start from " in r.stderr or r.exit_code == 0, r.stderr
+    elif how == "other json":
+        assert r.exit_code == 1 and r.stderr.strip() == (
+            f"error: {python} did not answer fast-start's check as a Python interpreter would (its last line: "
+            "'{\"hello\": 1}') (fix: name the engine environment's own python, not a wrapper that prints or "
+            "answers otherwise)"), r.stderr
+    else:
+        assert r.exit_code == 1 and f"error: {python} -m pip did not finish within 2 s" in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root's refusal")
+@pytest.mark.parametrize("how", ["owned by nobody", "linked from a 0777 folder"])
+def test_root_runs_no_interpreter_another_user_can_change(tmp_path, small, how):
+    """install-engine, check-config and verify --deep as root would run the environment's code
+    (a .pth line runs at every start): an environment another user can write is refused, named."""
+    env = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", env], check=True)
+    python = env / "bin" / "python"
+    if how == "owned by nobody":
+        os.chown(env / "lib", 65534, 65534)
+        where = f"{env}/lib belongs to uid 65534"
+    else:
+        shared = tmp_path / "shared"
+        shared.mkdir(mode=0o777)
+        shared.chmod(0o777)
+        (shared / "python").symlink_to(python)
+        python, where = shared / "python", f"{shared} is writable by its group or by anyone (mode 0777)"
+    wheel = tmp_path / f"fast_start-{fast_start.__version__}-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    r = cli("install-engine", python, "--wheel", wheel)
+    assert r.exit_code == 1 and r.stderr.startswith(f"error: {python}: {where}, so running it as root"), r.stderr
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [{"name": "small", "path": str(small), "gpus": [0],
+                                                                  "engine_version": "test"}], worker_python=str(python))
+    r = cli("check-config", "--config", cfg, "--json")
+    rows = {row["check"]: row for row in json.loads(r.stdout)}
+    assert r.exit_code == 2 and not rows[f"worker {python}"]["ok"] and where in rows[f"worker {python}"]["detail"]
