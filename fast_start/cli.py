@@ -80,6 +80,8 @@ def fails(command):
         except FastStartError as e:
             code = 2 if isinstance(e, (ConfigError, StartError)) else 3 if isinstance(e, (NoDaemon, TrustError)) else 1
             raise error(e.what, e.fix, code, as_json) from None
+        except BrokenPipeError:     # its reader went away (`status | head -3`): click ends it quietly
+            raise
         except MemoryError:
             raise error("out of memory", "raise the process's memory limit, e.g. LimitAS= or ulimit -v", 1,
                         as_json) from None
@@ -164,8 +166,8 @@ def status(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON
     leases; memory; each daemon's version and uptime."""
     if watch_s is None:
         return _status_once(gpu, config, as_json)
-    if as_json or _json[0] or watch_s <= 0:
-        raise ConfigError(f"--watch {watch_s:g} with --json" if watch_s > 0 else f"--watch {watch_s:g}",
+    if as_json or _json[0] or not 0 < watch_s < 86400:
+        raise ConfigError(f"--watch {watch_s:g} with --json" if 0 < watch_s < 86400 else f"--watch {watch_s:g}",
                           "watch a table every N > 0 seconds; for JSON, call status --json in a loop")
     try:
         while True:
@@ -867,10 +869,18 @@ def evictions(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = J
         table = Table("GPU", "time", "model", "reason", "GiB", "leases then")
         for d in data:
             for e in d.evictions:
-                table.add_row(str(d.gpu), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time)),
+                table.add_row(str(d.gpu), _when(e.time),
                               e.model, e.reason, f"{e.bytes / 2**30:.2f}", str(e.leases))
         out.print(table)
     emit([reports.body(d) for d in data], as_json, human)
+
+
+def _when(t: float) -> str:
+    """A local date and time; what was recorded where it is none (a history file edited by hand)."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    except (OverflowError, OSError, ValueError):
+        return f"{t!r} (not a time)"
 
 
 def main() -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import threading
+import time
 from pathlib import Path
 
 from . import files, reports
@@ -36,7 +38,7 @@ class History:
         except FileNotFoundError:
             return
         except (OSError, files.Unreadable) as e:
-            log.warning("cannot read the eviction history %s (%s); starting a new one", path, e)
+            log.warning("cannot read the eviction history %s (%s); %s", path, e, _set_aside(path))
             return
         kept, damaged = [], []
         for each in saved if isinstance(saved, list) else []:
@@ -65,3 +67,13 @@ class History:
     def listed(self) -> list[Eviction]:
         with self.lock:
             return list(self.evictions)
+
+
+def _set_aside(path: Path) -> str:
+    """Move an unreadable history out of the way, kept for a person to look at; says where."""
+    aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
+    try:
+        os.rename(path, aside)
+    except OSError as e:
+        return f"it could not be set aside ({e.strerror or e}): the next eviction replaces it"
+    return f"set aside as {aside}, starting a new one"

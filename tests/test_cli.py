@@ -505,3 +505,26 @@ def test_root_runs_no_interpreter_another_user_can_change(tmp_path, small, how):
     r = cli("check-config", "--config", cfg, "--json")
     rows = {row["check"]: row for row in json.loads(r.stdout)}
     assert r.exit_code == 2 and not rows[f"worker {python}"]["ok"] and where in rows[f"worker {python}"]["detail"]
+
+
+def test_one_line_or_quiet_where_a_traceback_was(tmp_path, small, daemons):
+    """`status --watch nan|inf`, `status | head` (its reader gone), and an eviction history
+    entry whose time is out of range each end in one line, or quietly, never a traceback."""
+    cfg, d = setup(tmp_path, small, daemons)
+    for bad in ("nan", "inf", "-1"):
+        r = cli("status", "--watch", bad, "--config", cfg)
+        assert r.exit_code == 2 and r.stderr.startswith(f"error: --watch {bad} (fix:"), r.stderr
+    read, write = os.pipe()
+    os.close(read)
+    p = subprocess.run([Path(sys.executable).parent / "fast-start", "status", "--config", cfg], stdout=write,
+                       stderr=subprocess.PIPE, text=True, timeout=60)
+    os.close(write)
+    assert p.stderr == "" and p.returncode == 1, p.stderr
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "gpu0.evictions.json").write_text(json.dumps([{"time": 1e300, "model": "small", "reason": "manual",
+                                                            "bytes": 1, "leases": 0}]))
+    d.stop()
+    d = daemons(cfg, env={"STATE_DIRECTORY": str(state)})
+    r = cli("evictions", "--config", cfg)
+    assert r.exit_code == 0 and "1e+300 (not a time)" in r.stdout, r.stdout + r.stderr

@@ -209,7 +209,7 @@ def test_a_memory_limit_the_worker_cannot_live_with_fails_the_start_in_one_line(
 
 def test_the_eviction_history_survives_a_restart_in_the_state_directory(tmp_path, small, daemons):
     """Under systemd's StateDirectory= ($STATE_DIRECTORY) the evictions outlive the process; a
-    damaged history file is named in the log and replaced, and the daemon starts all the same."""
+    damaged history file is named in the log and set aside, and the daemon starts all the same."""
     state = tmp_path / "state"
     state.mkdir()
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)])
@@ -221,12 +221,16 @@ def test_the_eviction_history_survives_a_restart_in_the_state_directory(tmp_path
     assert [(e["model"], e["reason"]) for e in saved] == [("small", "manual")]
     d = daemons(cfg, env=env)                                    # a new process: the history is back
     assert evictions(d) == [("small", "manual")]
-    d.stop()
-    (state / "gpu0.evictions.json").write_text('[{"model": 1}, ')
-    d = daemons(cfg, env=env)
-    assert evictions(d) == [] and "cannot read the eviction history" in d.log.read_text()
-    assert runner.invoke(app, ["evict", "--gpu", "0", "--model", "small", "--config", str(cfg)]).exit_code == 0
-    assert [e["reason"] for e in json.loads((state / "gpu0.evictions.json").read_text())] == ["manual"]
+    for damaged in ('[{"model": 1}, ', "[" + " " * (16 << 20) + "]"):      # not JSON; over the read cap
+        d.stop()
+        (state / "gpu0.evictions.json").write_text(damaged)
+        d = daemons(cfg, env=env)
+        assert evictions(d) == [] and "cannot read the eviction history" in d.log.read_text()
+        (aside,) = state.glob("gpu0.evictions.json.unreadable-*")          # kept for a person to look at
+        assert aside.read_text() == damaged and f"set aside as {aside}" in d.log.read_text()
+        aside.unlink()
+        assert runner.invoke(app, ["evict", "--gpu", "0", "--model", "small", "--config", str(cfg)]).exit_code == 0
+        assert [e["reason"] for e in json.loads((state / "gpu0.evictions.json").read_text())] == ["manual"]
 
 
 def test_a_start_with_one_model_folder_unusable_serves_the_others_and_names_it(tmp_path, small, llama_tied, daemons):
