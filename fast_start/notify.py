@@ -3,7 +3,9 @@
 A datagram to `$NOTIFY_SOCKET` (a path, or `@name` for an abstract socket) carrying
 newline-separated `KEY=VALUE` assignments, optionally with file descriptors (`SCM_RIGHTS`) for
 systemd's fd store. When the variable is unset (not run by systemd) every call is a no-op.
-Sending never raises: a manager that went away must not take the daemon's shutdown with it.
+Sending never raises: a manager that went away must not take the daemon's shutdown with it; nor
+does it wait longer than `TIMEOUT_S` for one whose queue is full (a datagram to a socket nobody
+reads blocks once ten wait there): a stuck manager must not stall the requests that notify it.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import os
 import socket
 
 LISTEN_FDS_START = 3
+TIMEOUT_S = 1.0
 
 
 def notify(message: str, fds: list[int] | tuple[int, ...] = ()) -> bool:
@@ -24,6 +27,7 @@ def notify(message: str, fds: list[int] | tuple[int, ...] = ()) -> bool:
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.settimeout(TIMEOUT_S)
             s.sendmsg([message.encode("utf-8")], ancillary, 0, addr)
     except OSError:
         return False

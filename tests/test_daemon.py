@@ -598,3 +598,20 @@ def test_a_miss_while_the_only_model_is_not_cached_names_its_state(tmp_path, sma
         fast_start.fetch(spec, socket_dir=str(tmp_path / "run"), fallback=False)
     assert e.value.what == "no model is cached now: small is evicted (manual)", e.value.what
     assert e.value.fix == "see fast-start status; a model is served as soon as its fill completes"
+
+
+def test_a_service_manager_that_stops_reading_stalls_nothing(tmp_path, small, daemons):
+    """sd_notify datagrams to a socket nobody reads block once its queue is full: the daemon still
+    starts, serves (a copy's drop notifies), and stops within seconds of SIGTERM."""
+    deaf = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    deaf.bind(str(tmp_path / "deaf"))
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [model("small", small)], on_release="drop")
+    d = daemons(cfg, env={"NOTIFY_SOCKET": str(tmp_path / "deaf")}, wait=False)
+    wait_until(lambda: d.socket.is_socket() or d.proc.poll() is not None, 120, "the socket")
+    spec = fast_start.WeightSpec(str(small), engine_version="test")
+    for mode in ("zero_copy", "copy"):
+        assert fast_start.fetch(spec, socket_dir=str(tmp_path / "run"), mode=mode, fallback=False).source == "cache"
+    t0 = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(30) == 0 and time.monotonic() - t0 < 5
+    deaf.close()
