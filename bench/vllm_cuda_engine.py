@@ -13,7 +13,8 @@ runs the engine with `enable_sleep_mode`, then sleeps and wakes it at that level
 `reload_weights` between waking them and the KV cache), `"reload": true` runs `reload_weights`:
 the tokens and the digest are then taken again (`after`). `"gpu_memory_utilization"` (default 0.3).
 `"wait_for": FILE` keeps the engine generating (`meanwhile`) until FILE exists, then once more
-(`again`); OUT.up is written once it serves.
+(`again`); OUT.up is written once it serves. `"engine"` overrides the defaults here (eager, bf16,
+0.3); `"gpu_memory_utilization": null` leaves vLLM's own default.
 """
 from __future__ import annotations
 
@@ -109,10 +110,14 @@ def main() -> None:
         profiled(args["profile"])
     start = time.perf_counter()
     level = args.get("sleep", 0)
-    llm = LLM(args["model"], load_format=args.get("load_format", "auto"),
-              model_loader_extra_config=args.get("extra") or {}, dtype="bfloat16", skip_tokenizer_init=True,
-              max_model_len=512, enforce_eager=True, gpu_memory_utilization=args.get("gpu_memory_utilization", 0.3),
-              seed=0, **({"enable_sleep_mode": True} if level else {}), **args.get("engine", {}))
+    kwargs = dict(load_format=args.get("load_format", "auto"), model_loader_extra_config=args.get("extra") or {},
+                  dtype="bfloat16", skip_tokenizer_init=True, max_model_len=512, enforce_eager=True,
+                  gpu_memory_utilization=args.get("gpu_memory_utilization", 0.3), seed=0,
+                  **({"enable_sleep_mode": True} if level else {}))
+    kwargs.update(args.get("engine", {}))       # e.g. {"enforce_eager": false}: compiled, CUDA graphs
+    if kwargs["gpu_memory_utilization"] is None:
+        del kwargs["gpu_memory_utilization"]    # vLLM's own default
+    llm = LLM(args["model"], **kwargs)
     llm_s = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=16, detokenize=False, logprobs=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
