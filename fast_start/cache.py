@@ -89,6 +89,7 @@ class Cache:
         self.former: dict[str, tuple[Fingerprint, str]] = {}   # a pending model's evicted fingerprint, why
         self.history = History()
         self.reloads, self.reload_error = 0, ""       # SIGHUPs handled; why the last one was refused
+        self.reload_began = 0.0                         # when the last one began to read the config
         self.lock = threading.Lock()
         self.metrics = Metrics(gpu)
 
@@ -131,10 +132,11 @@ class Cache:
                 self.metrics.zero("fast_start_evictions_total", model=name, reason=reason)
         self.on_change()
 
-    def reloaded(self, error: str = "") -> None:
-        """A reload ended: applied, or refused for `error` (the running config kept)."""
+    def reloaded(self, began: float, error: str = "") -> None:
+        """A reload that began reading the config at `began` ended: applied, or refused for
+        `error` (the running config kept)."""
         with self.lock:
-            self.reloads, self.reload_error = self.reloads + 1, error
+            self.reloads, self.reload_error, self.reload_began = self.reloads + 1, error, began
 
     def state(self, model: str) -> str:
         """A configured model's state: "cached", its pending state, or "missing"."""
@@ -418,7 +420,8 @@ class Cache:
             return reports.Status(gpu=self.gpu, state="ready" if not missing else "incomplete", pid=os.getpid(),
                                   models=models, missing=missing, leases=leases, device=self.device,
                                   version=__version__, started_at=self.started, reloads=self.reloads,
-                                  reload_error=self.reload_error, memory=self._memory(now))
+                                  reload_error=self.reload_error, reload_began=self.reload_began,
+                                  memory=self._memory(now))
 
     def _memory(self, now: memory.Memory | None) -> reports.Memory:
         """The device's total and free memory (None where they cannot be told) and what this

@@ -817,6 +817,7 @@ def reload(gpu: int = typer.Option(..., "--gpu"), timeout: float = typer.Option(
     if not pid:
         raise FastStartError(f"GPU {gpu}: the daemon runs in a PID namespace this process cannot see",
                              f"reload it from there (systemctl reload fast-start@{gpu})")
+    asked = time.time()     # a reload that began reading the config before this is not this one's
     try:
         os.kill(pid, signal.SIGHUP)
     except PermissionError:
@@ -833,7 +834,7 @@ def reload(gpu: int = typer.Option(..., "--gpu"), timeout: float = typer.Option(
         if now.pid != before.pid:
             raise FastStartError(f"GPU {gpu}: the daemon restarted (pid {before.pid}, now {now.pid}) "
                                  "while reloading", f"see journalctl -u fast-start@{gpu}")
-        if now.reloads is not None and now.reloads > before.reloads:
+        if now.reloads is not None and now.reloads > before.reloads and now.reload_began >= asked:
             break
         if time.monotonic() > deadline:
             raise FastStartError(f"GPU {gpu}: the daemon (pid {now.pid}) did not finish reloading in {timeout:g} s",

@@ -211,7 +211,7 @@ class Keeper:
 
     def reload(self) -> None:
         """SIGHUP: read the config again; add new models, drop removed or changed ones, keep the rest."""
-        d = self.d
+        d, began = self.d, time.time()
         notify.notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
         try:
             cfg = configs.load(d.cfg.path, check_paths=False)
@@ -226,12 +226,12 @@ class Keeper:
                 cfg = d.resolve(cfg, workers)
         except FastStartError as e:
             log.error("reload failed, keeping the running config: %s", e)
-            d.cache.reloaded(str(e))
+            d.cache.reloaded(began, str(e))
             notify.notify("READY=1\nSTATUS=ready (the last reload failed: see the log)")
             return
         for name in d.apply(cfg):
             self.retry[name] = time.monotonic()
         log.info("reloaded %s: %d model(s) for GPU %d", cfg.path, len(d.models), d.gpu)
-        d.cache.reloaded()
+        d.cache.reloaded(began)
         restart = f"; restart to apply {', '.join(held)}" if held else ""
         notify.notify(f"READY=1\nSTATUS=ready: reloaded, {len(d.models)} model(s) configured{restart}")

@@ -66,6 +66,7 @@ class Status(NamedTuple):
     started_at: float | None = None
     reloads: int | None = None          # config reloads since the start; None: a daemon too old to count
     reload_error: str = ""              # why the last reload kept the running config
+    reload_began: float = 0.0           # when the last finished reload began to read the config (time.time())
     memory: Memory | None = None
 
 

@@ -278,3 +278,39 @@ def test_a_fifo_where_a_checkpoint_file_belongs_fails_that_model_at_once(tmp_pat
     (other / "config.json").write_text((other / "config.json").read_text())      # a rewrite: refilled
     wait_until(lambda: [m["filled_at"] for m in status(d)["models"] if m["name"] == "other"] not in ([filled_at], []),
                what="the other model refilled")
+
+
+def test_a_reload_asked_while_another_runs_waits_for_its_own(tmp_path, small, llama_tied, daemons, monkeypatch):
+    """`fast-start reload` returns once a reload that began after its signal is done: one asked
+    while another is under way (that one read the file before this change) waits for the next.
+    The worker interpreter waits while a hold file exists, which keeps the first reload going."""
+    import threading
+    hold = tmp_path / "hold"
+    gate = tmp_path / "python"
+    gate.write_text(f"#!/bin/sh\nwhile [ -e {hold} ]; do sleep 0.05; done\nexec {sys.executable} \"$@\"\n")
+    gate.chmod(0o755)
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "fs.toml", run, [model("small", small)], worker_python=str(gate))
+    d = daemons(cfg)
+    hold.touch()
+    write_config(tmp_path / "fs.toml", run, [model("small", small), model("first", llama_tied)],
+                 worker_python=str(gate))
+    d.proc.send_signal(signal.SIGHUP)           # another operator's reload, not waited for
+
+    def children() -> str:      # of any of the daemon's threads: the keeper's start the workers
+        return "".join(f.read_text() for f in Path(f"/proc/{d.proc.pid}/task").glob("*/children")).strip()
+    wait_until(children, 60, "the first reload's worker (the file was read before it)")
+    write_config(tmp_path / "fs.toml", run, [model("small", small), model("first", llama_tied),
+                                             model("second", small, engine_version="v2")], worker_python=str(gate))
+    signalled, kill = threading.Event(), os.kill
+    monkeypatch.setattr(os, "kill", lambda pid, sig: (kill(pid, sig), signalled.set()))
+    result = {}
+    ours = threading.Thread(target=lambda: result.update(r=runner.invoke(
+        app, ["reload", "--gpu", "0", "--config", str(cfg), "--json"])))
+    ours.start()
+    assert signalled.wait(60)
+    hold.unlink()               # the first reload goes on, and ends
+    ours.join(120)
+    r = result["r"]
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert sorted(json.loads(r.stdout)["configured"]) == ["first", "second", "small"], r.stdout
