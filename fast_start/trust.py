@@ -101,8 +101,11 @@ def prepare_socket_dir(path: str | Path, shared: bool = False) -> Path:
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"socket directory {path} is a symlink or not a directory", "remove it and restart")
     if st.st_uid != os.geteuid():
-        raise ConfigError(f"socket directory {path} is owned by uid {st.st_uid}, not by the daemon's uid {os.geteuid()}",
-                          "remove it, or run the daemon as its owner")
+        live = sorted(p.name for p in path.glob("gpu*.sock"))      # never suggest removing those
+        raise ConfigError(f"socket directory {path} is owned by uid {st.st_uid}, not by the daemon's uid {os.geteuid()}"
+                          + (f", and holds {', '.join(live)} of its daemons" if live else ""),
+                          "start this daemon as its unit does (systemctl start fast-start@N), as that user"
+                          if live else "remove it, or run the daemon as its owner")
     if st.st_mode & 0o022:
         raise ConfigError(f"socket directory {path} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})",
                           f"remove it, or chmod {mode:o} it after checking its contents")

@@ -8,6 +8,7 @@ import pwd
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -179,6 +180,25 @@ def test_daemon_refuses_an_unsafe_socket_directory(tmp_path, small, daemons, pro
     assert d.proc.wait(60) != 0
     assert message in d.log.read_text()
     assert not d.listener.texts("READY=1")
+
+
+@root_only
+def test_a_foreign_socket_directory_with_live_sockets_is_never_to_be_removed(tmp_path, small, daemons):
+    """Root starting a daemon by hand on the unit's directory (another user's, holding the running
+    daemons' sockets) is told to start it as the unit does, not to remove the directory."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(str(run / "gpu0.sock"))
+    os.chown(run, NOBODY.pw_uid, NOBODY.pw_gid)
+    d = daemons(write_config(tmp_path / "fs.toml", run, [model(small)]), wait=False, gpu=1)
+    assert d.proc.wait(60) == 2
+    (line,) = [l for l in d.log.read_text().splitlines() if l.startswith("error")]
+    assert line == (f"error: socket directory {run} is owned by uid {NOBODY.pw_uid}, not by the daemon's uid 0, and "
+                    "holds gpu0.sock of its daemons (fix: start this daemon as its unit does (systemctl start "
+                    "fast-start@N), as that user)")
+    assert (run / "gpu0.sock").is_socket()
+    live.close()
 
 
 def test_daemon_refuses_a_symlink_where_its_socket_goes(tmp_path, small, daemons):
