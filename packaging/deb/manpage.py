@@ -25,9 +25,10 @@ fills its cache from the models of /etc/fast-start/fast-start.toml and reports R
 systemd once every model is cached. Engines ask it over a Unix socket in /run/fast-start and map
 the weights; a restarted daemon takes its cache back from systemd's file descriptor store.
 
-The fill worker runs in the engine's Python environment (worker_python in the config), where
-`pip install fast-start` also installs the vLLM plugin. This command and the daemon need only
-Python 3, typer and rich."""
+The fill worker runs in the engine's Python environment (worker_python in the config):
+`fast-start install-engine PYTHON` installs the wheel this package ships there, with the vLLM
+plugin, and needs no package index. This command and the daemon need only Python 3, typer and
+rich."""
 FILES = [
     ("/etc/fast-start/fast-start.toml", "the configuration (fast-start example-config prints every key)"),
     ("/run/fast-start/gpuN.sock", "the socket of GPU N's daemon"),
