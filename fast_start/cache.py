@@ -219,7 +219,7 @@ class Cache:
                 return _no(_PARTIAL_MISS if msg.partial else self._missed(peer, self._miss(want, best)))
         if msg.files != best.files:
             return _no(_PARTIAL_MISS if msg.partial else self._missed(peer, self._files_miss(best, msg.files)))
-        denied = trust.unreadable(peer, best.model.path, [n for n, i in best.files.items() if i[2] >= 0])
+        denied = self._unreadable(peer, best, msg.path)
         if denied:      # knowing the fingerprint and the files' identities is not reading them
             return _no(self._missed(peer, protocol.Miss(f"uid {peer.uid} cannot read {denied}", ["access"],
                                                         best.model.name, "let that user read the checkpoint")))
@@ -245,6 +245,19 @@ class Cache:
             reply = protocol.Acquired(lease.id, best.model.name, best.head, len(best.table),
                                       len(best.fds)).attach(best.table)
         return reply, best.fds, lambda sent: self._sent(best, lease, sent or lease.id < first_new)
+
+    @staticmethod
+    def _unreadable(peer: Peer, entry: Entry, theirs: str) -> str | None:
+        """The first of `entry`'s files `peer` could not read, by the configured path or, where
+        that fails, by the folder the engine names (`theirs`: a bind mount, hard links) if the
+        files there are the very files of the fill; None where it could read them all."""
+        names = [n for n, i in entry.files.items() if i[2] >= 0]
+        denied = trust.unreadable(peer, entry.model.path, names)
+        if denied and theirs and theirs != entry.model.path:
+            there = watch.identity(theirs)
+            if all(there.get(n) == entry.files[n] for n in names):
+                return trust.unreadable(peer, theirs, names) and denied
+        return denied
 
     def _no_room_for_copy(self, entry: Entry) -> protocol.Miss | None:
         """A copy the device has no room for while the daemon keeps its cache (`on_release = "keep"`):

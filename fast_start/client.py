@@ -182,7 +182,7 @@ def _from_cache(headers: _Headers, device: torch.device, mode: str, directory: P
     read while the daemon answers, and checked against the reply's. A daemon that cannot tell
     from that much is asked again with the whole fingerprint: its answer names the reason."""
     ask = protocol.Acquire(requested(headers.spec).to_dict(), mode, headers.files, protocol.VERSION,
-                           _device_id(device), partial=1)
+                           _device_id(device), partial=1, path=str(Path(headers.spec.path).absolute()))
     misses = []    # (reason, fix, differing fields)
     for path, conn, opened, miss in daemons:
         if conn is None:
@@ -230,7 +230,7 @@ def _ask(conn: socket.socket, ask: protocol.Acquire, headers: _Headers, device: 
             _give_back(conn, reply)
             again, reply, batches = True, None, iter(())     # nothing held any more, should the re-ask fail
         if again:
-            whole = protocol.Acquire(want.to_dict(), ask.mode, ask.files, ask.protocol, ask.device)
+            whole = protocol.Acquire(want.to_dict(), ask.mode, ask.files, ask.protocol, ask.device, path=ask.path)
             reply, fds = request(conn, whole, with_fds=True, first_batch=True)
             batches = protocol.fd_batches(conn, reply, fds)
     except BaseException:

@@ -127,6 +127,7 @@ class Acquire(Message):           # an engine's request (a partial one may be as
     manifest: str = "table"       # "table": the binary tensor table follows Acquired; "json": the whole manifest
     partial: int = 0              # 1: a `fingerprint.requested` (the files not yet read; the engine checks the reply's)
     purpose: str = "engine"       # "verify": `fast-start verify --deep` reads the cache; not an engine's hit
+    path: str = ""                # the folder the engine reads the files from (a bind mount, hard links)
 
 
 class Release(Message):

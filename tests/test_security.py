@@ -382,3 +382,22 @@ def test_a_uid_that_never_reads_its_replies_cannot_stop_fd_passing_for_others(tm
         hoarder.stdin.close()
         hoarder.wait(60)
     wait_until(lambda: len(os.listdir(f"/proc/{d.proc.pid}/fd")) < 64, 30, "the hoarder's connections closed")
+
+
+@root_only
+def test_an_engine_reading_the_same_files_by_another_path_is_served(tmp_path, open_dir, small, daemons):
+    """The configured folder is root's alone; an engine user reads the same files (hard links, as
+    a bind mount shows them) from a folder of its own: served, since it reads those very files.
+    A copy of the files there (other inodes) is not."""
+    private = shutil.copytree(small, open_dir / "private")
+    private.chmod(0o700)
+    linked = open_dir / "linked"
+    linked.mkdir(mode=0o755)
+    for f in private.iterdir():
+        os.link(f, linked / f.name)
+        f.chmod(0o644)
+    d = daemons(write_config(tmp_path / "fs.toml", open_dir / "run", [model(private)], allowed_uids=[NOBODY.pw_uid]))
+    assert as_nobody(d.socket, str(linked)) == "cache"
+    copied = readable_copy(small, open_dir)
+    out = as_nobody(d.socket, str(copied))
+    assert out.startswith("error ") and "the model's folder" in out, out
