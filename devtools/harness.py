@@ -151,13 +151,17 @@ class Daemon:
 
     def wait_ready(self, timeout: float = 120.0) -> "Daemon":
         """Until the daemon says READY=1; an AssertionError with its log once it has exited or
-        `timeout` has passed."""
-        deadline = time.monotonic() + timeout
+        `timeout` has passed without a word from it. Each message it sends (STATUS= progress,
+        EXTEND_TIMEOUT_USEC=) starts the wait afresh, as it extends systemd's: a fill slowed down
+        by a busy machine is waited for while it advances."""
+        deadline, heard = time.monotonic() + timeout, 0
         while True:
             try:
                 self.listener.wait_for("READY=1", min(1.0, max(0.0, deadline - time.monotonic())))
                 return self
             except AssertionError:
+                if len(self.listener.messages) > heard:
+                    heard, deadline = len(self.listener.messages), time.monotonic() + timeout
                 if self.proc.poll() is not None or time.monotonic() >= deadline:
                     state = f"exited {self.proc.returncode}" if self.proc.poll() is not None else "not ready"
                     raise AssertionError(f"daemon {state}; log:\n{self.log.read_text()}") from None
