@@ -38,10 +38,14 @@ def worker_env(cpus_share: int) -> dict[str, str]:
     Every GPU's daemon fills at boot, at once; each worker's OpenMP pool defaults to every CPU,
     and N pools spinning on the same cores slow every fill several times over (most of all a
     model of many small expert tensors). An OMP_NUM_THREADS set by the operator wins.
+
+    Its output is the daemon's log: progress bars (tqdm's, vLLM's loading bars) are off, since a
+    journal holds them as blobs of carriage returns; the daemon reports the fill's progress itself.
     """
     env = {k: v for k, v in os.environ.items() if k not in ("LISTEN_FDS", "LISTEN_FDNAMES", "LISTEN_PID")}
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // max(1, cpus_share)))
+    env.setdefault("TQDM_DISABLE", "1")
     return env
 
 
