@@ -624,10 +624,13 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON,
         for r in rows:
             table.add_row(r["check"], "warn" if r.get("warn") else "ok" if r["ok"] else "FAIL", r["detail"])
         out.print(table)
+    config = config.absolute()         # the checks as a unit's user run in "/"
     cfg = configs.load(config, check_paths=not reload)
-    checks = [{"check": "config", "ok": True, "detail": f"{config}: {len(cfg.models)} model(s)"}]
-    if reload:
-        emit(checks, as_json, human)
+    checks = [{"check": "config", "ok": bool(cfg.models) or reload, "detail": f"{config}: {len(cfg.models)} model(s)"
+               + ("" if cfg.models or reload else ": no [[model]], so every daemon would serve an empty cache")}]
+    if reload:          # the unit's ExecReload=: its output is the journal's, and a passing file needs no table
+        if as_json or _json[0]:
+            emit(checks, as_json, human)
         return
     need: dict[int, int] = {}
     largest: dict[int, int] = {}
@@ -678,8 +681,9 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON,
 
 
 def _worker_checks(cfg: configs.Config) -> list[dict]:
-    """Each worker interpreter imports fast-start of this protocol, torch and its engines, as the
-    daemon starts it (cwd "/": a checkout where this runs must not stand in for its environment)."""
+    """Each worker interpreter has fast-start of this protocol, torch and its engines, as the
+    daemon starts it (cwd "/": a checkout where this runs must not stand in for its environment).
+    Found, not imported: importing an engine takes seconds, and the daemon's start tries it."""
     import subprocess
     rows = []
     for python in sorted({cfg.python(m) for m in cfg.models}):
@@ -690,8 +694,10 @@ def _worker_checks(cfg: configs.Config) -> list[dict]:
             continue
         named = sorted({m.filler.module for m in cfg.models if cfg.python(m) == python and m.filler})
         modules = ", ".join(["fast_start", "torch", *named])
-        code = ("import fast_start, fast_start.protocol as p; print(fast_start.__version__, p.VERSION, flush=True); "
-                f"import {modules}")
+        code = ("import fast_start, fast_start.protocol as p, importlib.util as u; "
+                "print(fast_start.__version__, p.VERSION, flush=True); "
+                f"missing = [n for n in {['torch', *named]!r} if u.find_spec(n) is None]; "
+                "raise SystemExit(f'ModuleNotFoundError: no module named {missing[0]!r}' if missing else 0)")
         try:
             done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300, cwd="/")
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -704,8 +710,36 @@ def _worker_checks(cfg: configs.Config) -> list[dict]:
         else:
             ok = not done.returncode
             said = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
-            detail = f"imports {modules}" if ok else said[-1]
+            detail = f"has {modules}" if ok else said[-1]
         rows.append({"check": f"worker {python}", "ok": ok, "detail": detail})
+    return rows
+
+
+def _unit_sees(unit, cfg: configs.Config, gpu: int) -> list[dict]:
+    """FAIL rows for what `unit` (GPU `gpu`'s) cannot see or write: the socket directory (engines
+    outside a PrivateTmp= would not find the socket), the metrics file's folder, each model's
+    folder and files (a snapshot's links into a blob store), each worker and its environment."""
+    from . import unitview
+    fix = "move it where the unit sees it, or override {key}= in a drop-in (systemctl edit fast-start@.service)"
+    wanted = [("socket_dir", cfg.daemon.socket_dir)]
+    for m in (m for m in cfg.models if gpu in m.gpus):
+        folder = Path(m.path)
+        wanted += [(f"model {m.name}", str(p)) for p in (folder, *(folder / f for f in watch.checkpoint_files(folder)))]
+        wanted += [(f"worker {m.name}", cfg.python(m)), (f"worker {m.name}", str(Path(cfg.python(m)).parent))]
+    rows, seen = [], set()
+    for what, path in wanted:
+        setting = unitview.hider(unit, path)
+        if setting and what not in seen:
+            seen.add(what)
+            real = os.path.realpath(path)
+            rows.append({"check": f"{unit.name}: {what}", "ok": False, "detail": f"{path}"
+                         + (f" (a link to {real})" if real != os.path.abspath(path) else "")
+                         + f" is hidden from the unit by {setting}: " + fix.format(key=setting.split("=")[0])})
+    metrics = cfg.daemon.metrics_file.replace("{gpu}", str(gpu))
+    if metrics and not unitview.writable(unit, str(Path(metrics).parent)):
+        rows.append({"check": f"{unit.name}: metrics_file", "ok": False, "detail": (
+            f"the unit sees {Path(metrics).parent} read-only (ProtectSystem={unit.protect_system}): add a drop-in "
+            f"with ReadWritePaths={Path(metrics).parent} (systemctl edit fast-start@.service)")})
     return rows
 
 
@@ -720,13 +754,7 @@ def _unit_checks(config: Path, cfg: configs.Config) -> list[dict]:
         unit = unitview.read(gpu)
         if unit is None:
             continue
-        for m in (m for m in cfg.models if gpu in m.gpus):
-            for what, path in (("model", m.path), ("worker", cfg.python(m))):
-                setting = unitview.hider(unit, path)
-                if setting:
-                    rows.append({"check": f"{unit.name}: {what} {m.name}", "ok": False, "detail": (
-                        f"{path} is hidden from the unit by {setting}: move it where the unit sees it, or "
-                        f"override {setting.split('=')[0]}= in a drop-in (systemctl edit fast-start@.service)")})
+        rows += _unit_sees(unit, cfg, gpu)
         if (unit.user, unit.group, unit.groups) in users:
             continue
         users.add((unit.user, unit.group, unit.groups))

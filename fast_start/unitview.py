@@ -16,7 +16,10 @@ import subprocess
 from dataclasses import dataclass
 
 PROPERTIES = ("LoadState", "User", "Group", "SupplementaryGroups", "PrivateTmp", "ProtectHome",
-              "InaccessiblePaths", "TemporaryFileSystem", "BindPaths", "BindReadOnlyPaths")
+              "InaccessiblePaths", "TemporaryFileSystem", "BindPaths", "BindReadOnlyPaths", "ProtectSystem",
+              "ReadWritePaths", "RuntimeDirectory", "StateDirectory", "CacheDirectory")
+# Where a unit's own directories (RuntimeDirectory= and the like) lie: writable under any ProtectSystem=.
+OWN = {"RuntimeDirectory": "/run", "StateDirectory": "/var/lib", "CacheDirectory": "/var/cache"}
 HOMES = ("/home", "/root", "/run/user")
 
 
@@ -28,6 +31,8 @@ class Unit:
     groups: tuple[str, ...]
     hidden: tuple[tuple[str, str], ...]     # (a path, the setting that hides it and all under it)
     bound: tuple[str, ...] = ()             # BindPaths= / BindReadOnlyPaths= destinations: seen again
+    protect_system: str = "no"
+    writable_paths: tuple[str, ...] = ()    # ReadWritePaths= and the unit's own directories
 
 
 def read(gpu: int) -> Unit | None:
@@ -47,8 +52,11 @@ def read(gpu: int) -> Unit | None:
         return None
     bound = [entry.lstrip("-").split(":")[1 if ":" in entry else 0]
              for key in ("BindPaths", "BindReadOnlyPaths") for entry in props.get(key, "").split()]
+    writable = [entry.lstrip("-+") for entry in props.get("ReadWritePaths", "").split()]
+    writable += [f"{OWN[key]}/{d}" for key in OWN for d in props.get(key, "").split()]
     return Unit(name, props.get("User", ""), props.get("Group", ""),
-                tuple(props.get("SupplementaryGroups", "").split()), tuple(hidden(props)), tuple(bound))
+                tuple(props.get("SupplementaryGroups", "").split()), tuple(hidden(props)), tuple(bound),
+                props.get("ProtectSystem", "no") or "no", tuple(writable))
 
 
 def hidden(props: dict[str, str]) -> list[tuple[str, str]]:
@@ -76,6 +84,15 @@ def hider(unit: Unit, path: str) -> str | None:
             if _under(p, where):
                 return setting
     return None
+
+
+def writable(unit: Unit, folder: str) -> bool:
+    """Whether `unit`'s sandbox leaves `folder` writable: ProtectSystem=strict makes everything
+    read-only but ReadWritePaths= and the unit's own directories (the file modes are the kernel's)."""
+    if unit.protect_system != "strict":
+        return True
+    return any(_under(p, w) for p in dict.fromkeys((os.path.abspath(folder), os.path.realpath(folder)))
+               for w in unit.writable_paths)
 
 
 def _under(path: str, folder: str) -> bool:

@@ -528,3 +528,15 @@ def test_one_line_or_quiet_where_a_traceback_was(tmp_path, small, daemons):
     d = daemons(cfg, env={"STATE_DIRECTORY": str(state)})
     r = cli("evictions", "--config", cfg)
     assert r.exit_code == 0 and "1e+300 (not a time)" in r.stdout, r.stdout + r.stderr
+
+
+def test_check_config_for_a_reload_is_quiet_when_the_file_passes(tmp_path, small):
+    """The unit's ExecReload= runs it: what it prints lands in the journal at every reload."""
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [{"name": "small", "path": str(small), "gpus": [0],
+                                                                  "engine_version": "test"}])
+    r = cli("check-config", "--reload", "--config", cfg)
+    assert r.exit_code == 0 and r.stdout == "" and r.stderr == ""
+    cfg.write_text(cfg.read_text() + "colour = 1\n")
+    r = cli("check-config", "--reload", "--config", cfg)
+    assert r.exit_code == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1 and "colour" in r.stderr
+

@@ -378,6 +378,42 @@ def test_check_config_as_root_also_checks_as_the_unit_would(box):
         box.run("rm", "-rf", "/srv/secret", "/tmp/engine-python")
 
 
+def test_check_config_fails_what_the_unit_cannot_use_and_takes_a_relative_path(box):
+    """As root: a socket_dir under the unit's PrivateTmp=, a metrics folder ProtectSystem=strict
+    leaves read-only, a model whose files link into a hidden blob store, and an empty file each
+    fail check-config, as the unit would fail them; a relative --config is read as given."""
+    def check(*args: str, cwd: str = "/") -> tuple[int, dict[str, dict]]:
+        p = box.run("sh", "-c", f"cd {cwd} && {FAST_START} check-config --json " + " ".join(args), check=False,
+                    timeout=300)
+        return p.returncode, {r["check"]: r for r in json.loads(p.stdout)}
+
+    code, rows = check("--config", "fast-start.toml", cwd="/etc/fast-start")
+    assert code == 0, rows
+    box.run("mkdir", "-p", "/tmp/blobs", "/srv/snap", "/var/lib/prometheus/node-exporter")
+    box.run("sh", "-c", "for f in /srv/model/*; do cp $f /tmp/blobs/; ln -s /tmp/blobs/$(basename $f) /srv/snap/; done")
+    snap = LLAMA.replace('"llama"', '"snap"').replace("/srv/model", "/srv/snap")
+    box.config.write_text(config_text(models=LLAMA + snap).replace('socket_dir = "/run/fast-start"',
+                                                                  'socket_dir = "/tmp/fs-run"\nmetrics_file = '
+                                                                  '"/var/lib/prometheus/node-exporter/fs-{gpu}.prom"'))
+    try:
+        code, rows = check("--config", "/etc/fast-start/fast-start.toml")
+        assert code == 2, rows
+        for gpu in (0, 1):
+            unit = f"fast-start@{gpu}.service"
+            assert "/tmp/fs-run is hidden from the unit by PrivateTmp=yes" in rows[f"{unit}: socket_dir"]["detail"]
+            assert "/tmp/blobs/" in rows[f"{unit}: model snap"]["detail"], rows
+            assert rows[f"{unit}: metrics_file"]["detail"] == (
+                "the unit sees /var/lib/prometheus/node-exporter read-only (ProtectSystem=strict): add a drop-in with "
+                "ReadWritePaths=/var/lib/prometheus/node-exporter (systemctl edit fast-start@.service)")
+        assert f"{unit}: model llama" not in rows
+        box.config.write_text("")
+        code, rows = check("--config", "/etc/fast-start/fast-start.toml")
+        assert code == 2 and not rows["config"]["ok"] and "no [[model]]" in rows["config"]["detail"]
+    finally:
+        box.config.write_text(config_text())
+        box.run("rm", "-rf", "/srv/snap", "/tmp/blobs", "/var/lib/prometheus")
+
+
 @pytest.mark.parametrize("extra,reason", [("colour = 3", "[daemon] has unknown key 'colour'"),
                                           ('memory_budget = "1MB"', "more than memory_budget '1MB'"),
                                           ('worker_python = "/usr/bin/true"', "the fill worker /usr/bin/true")],
