@@ -10,7 +10,8 @@ Start-up order is the contract with systemd and engines:
    checkpoint files checked against the config, checksums re-verified by a worker; anything that
    fails is dropped and filled again, never a reason to fail); then a worker checks every other
    model's headers (TP sizes, rules, quantization) and sizes its arenas against the memory
-   budget: a mistake fails here, before any tensor data is read;
+   budget: a config mistake fails here, before any tensor data is read, while a model whose
+   folder cannot be used fails alone (`broken`: named, retried once its files change);
 4. the workers fill the remaining models, their progress relayed as `STATUS=` and the start
    timeout extended (`EXTEND_TIMEOUT_USEC=`) while they advance; each result goes into systemd's
    fd store;
