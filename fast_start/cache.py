@@ -235,7 +235,7 @@ class Cache:
                 return _no(lease)
             best.pins += 1
         log.info("served %s to pid %d uid %d (%s, lease %d%s%s)", best.model.name, peer.pid, peer.uid, msg.mode,
-                 lease.id, ", ends once the engine has every fd" if msg.mode == "copy" else "",
+                 lease.id, ", ends at the engine's hand-over" if msg.mode == "copy" else "",
                  ", to verify it" if msg.purpose == "verify" else "")
         if msg.purpose == "engine":
             self.metrics.inc("fast_start_cache_hits_total", model=best.model.name, mode=msg.mode)
