@@ -150,7 +150,29 @@ class Daemon:
                                  f"stop it first (systemctl stop fast-start@{self.gpu}), or serve another GPU") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.lock_device()
         return fd
+
+    def lock_device(self) -> None:
+        """Hold a lock on the GPU's device node for the life of the process: a daemon for the same
+        GPU from another config (another socket_dir, so another gpu<N>.lock) fails at once. The
+        node is opened, never used: no CUDA context. Where there is none (the CPU device, a
+        container that names nodes otherwise), the socket directory's lock is the only one."""
+        if self.cfg.daemon.device != "cuda":
+            return
+        node = f"/dev/nvidia{self.gpu}"
+        try:
+            fd = os.open(node, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise FastStartError(f"GPU {self.gpu} is served by another fast-start daemon (it holds {node}), though "
+                                 f"not from {self.directory}", "stop that daemon first (another config's: its "
+                                 "socket_dir differs), or serve another GPU") from None
+        self.device_lock = fd
 
     def resolve(self, cfg: configs.Config, workers: Workers) -> configs.Config:
         """`cfg` with this GPU's `engine_version = "auto"` replaced by what each model's worker

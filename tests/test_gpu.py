@@ -345,3 +345,16 @@ def test_vllm_sleep_mode_and_reload_weights_end_with_the_default_loaders_weights
                              gpu_memory_utilization=0.9, extra={**options, "mode": "zero_copy"})
     assert rc != 0 and "fast-start: enable_sleep_mode frees and restores the engine's own weight memory" in log, \
         log[-4000:]
+
+
+def test_a_second_daemon_for_the_gpu_from_another_config_fails_at_once(tmp_path, daemons):
+    """Another socket_dir means another gpu<N>.lock: the lock on the GPU's device node still
+    refuses a second daemon for the same GPU, which ends at once (exit 2: no restart loop)."""
+    small = synth.write_checkpoint(tmp_path / "small", synth.Shape(num_layers=1))
+    first = daemons(cuda_config(tmp_path, [model("small", small)]))
+    other = write_config(tmp_path / "other.toml", tmp_path / "other-run", [model("small", small)], device="cuda")
+    second = daemons(other, wait=False)
+    assert second.proc.wait(60) == 2
+    (line,) = [l for l in second.log.read_text().splitlines() if l.startswith("error")]
+    assert line.startswith("error: GPU 0 is served by another fast-start daemon (it holds /dev/nvidia0)"), line
+    assert first.proc.poll() is None and first.socket.is_socket()
