@@ -601,8 +601,8 @@ def _runnable_by_root(python: Path) -> None:
     writable = trust.others_can_write(python) if os.geteuid() == 0 else None
     if writable:
         raise FastStartError(f"{python}: {writable}, so running it as root would run that user's code",
-                         "run this as the environment's owner, or give the environment to root "
-                         "(chown -R root: and chmod go-w)")
+                             "run this as the environment's owner, or give the environment to root "
+                             "(chown -R root: and chmod go-w)")
 
 
 @app.command("check-config")
@@ -862,7 +862,9 @@ def reload(gpu: int = typer.Option(..., "--gpu"), timeout: float = typer.Option(
         if now.pid != before.pid:
             raise FastStartError(f"GPU {gpu}: the daemon restarted (pid {before.pid}, now {now.pid}) "
                                  "while reloading", f"see journalctl -u fast-start@{gpu}")
-        if now.reloads is not None and now.reloads > before.reloads and now.reload_began >= asked:
+        # reload_began 0: a daemon too old to say when its reload began, judged by the count alone
+        if now.reloads is not None and now.reloads > before.reloads and (now.reload_began >= asked
+                                                                         or not now.reload_began):
             break
         if time.monotonic() > deadline:
             raise FastStartError(f"GPU {gpu}: the daemon (pid {now.pid}) did not finish reloading in {timeout:g} s",
