@@ -78,19 +78,9 @@ def served(save) -> dict:
     save(r)
     d = Daemon("served", [model_entry("qwen3-8b", path)], on_release="drop")
     r["ready_s"] = d.wait_ready()
-    opts = {"socket_dir": str(d.run_dir), "fallback": False}
-    try:
-        for name, settings in (("zero_copy-compiled-1", COMPILED), ("zero_copy-compiled-2", COMPILED),
-                               ("zero_copy-eager", {})):
-            r[name] = judged(engine(name, path, "fast_start", opts, settings=settings), r["default"])
-            save(r)
-        r["copy"] = judged(engine("copy", path, "fast_start", {**opts, "mode": "copy"}, settings=COMPILED),
-                           r["default"])
-        r["cached_after_copy"], r["evictions"] = cached(d), d.cli("evictions")
-        save(r)
-    finally:
-        r["sigterm_exit_s"] = stop_seconds(d)
-    return r
+    steps = [("zero_copy-compiled-1", {}, None, COMPILED), ("zero_copy-compiled-2", {}, None, COMPILED),
+             ("zero_copy-eager", {}, None, {}), ("copy", {"mode": "copy"}, None, COMPILED)]
+    return engines_then_stop(d, path, r, save, steps)
 
 
 def big(save) -> dict:
@@ -106,13 +96,20 @@ def big(save) -> dict:
     r["ready_s"] = d.wait_ready(900)
     now = memory.of(sampler.uuid)
     r.update(total_gib=now.total / 2**30, used_after_fill_gib=(now.total - now.free) / 2**30)
+    steps = [("zero_copy", {}, 0.9, fp32), ("copy", {"mode": "copy"}, 0.9, fp32)]
+    return engines_then_stop(d, path, r, save, steps, prefix="big-")
+
+
+def engines_then_stop(d: Daemon, path: Path, r: dict, save, steps: list, prefix: str = "") -> dict:
+    """Each (name, loader options, gpu_memory_utilization, engine settings) engine in turn on
+    `d`'s cache, judged against r["default"]; then what is cached and evicted, and how long the
+    daemon takes to exit on SIGTERM."""
     opts = {"socket_dir": str(d.run_dir), "fallback": False}
     try:
-        r["zero_copy"] = judged(engine("big-zero_copy", path, "fast_start", opts, util=0.9, settings=fp32),
-                                r["default"])
-        save(r)
-        r["copy"] = judged(engine("big-copy", path, "fast_start", {**opts, "mode": "copy"}, util=0.9, settings=fp32),
-                           r["default"])
+        for name, more, util, settings in steps:
+            r[name] = judged(engine(prefix + name, path, "fast_start", {**opts, **more}, util=util, settings=settings),
+                             r["default"])
+            save(r)
         r["cached_after_copy"], r["evictions"] = cached(d), d.cli("evictions")
         save(r)
     finally:
