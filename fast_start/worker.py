@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 
-from . import __version__, engines, protocol
+from . import __version__, engines, journal, protocol
 from .errors import CheckpointError, FastStartError, is_config
 from .fingerprint import WeightSpec
 
@@ -160,6 +160,7 @@ HANDLERS = {"check_job": check, "fill_job": fill, "verify_job": verify}
 
 
 def main(argv: list[str]) -> int:
+    journal.setup()         # its output is the daemon's: records (an engine's too) keep their priority
     sock = socket.socket(fileno=int(argv[0]))
     protocol.send(sock, protocol.WorkerHello(protocol.VERSION, __version__, sys.executable, sys.prefix, engines.installed()))
     while True:

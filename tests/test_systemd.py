@@ -519,6 +519,11 @@ def test_vllm_fills_its_own_model_under_the_shipped_unit(box):
         assert "llama-vllm" in cached, cached
         log = journal(box, "fast-start@0")
         assert "llama-vllm is filled by" in log and "vllm 0." in log and "cached llama-vllm rank 0" in log
+        assert "Loading safetensors checkpoint shards" not in log          # no progress bar in the journal
+        records = box.run("journalctl", "-u", "fast-start@0", "--no-pager", "-o", "json",
+                          "--output-fields=MESSAGE,PRIORITY").stdout.splitlines()
+        warned = [r["PRIORITY"] for r in map(json.loads, records) if "Enforce eager set" in str(r.get("MESSAGE"))]
+        assert warned and set(warned) == {"4"}, warned          # vLLM's warnings at warning, not info
     finally:
         ready(box)
 

@@ -94,7 +94,7 @@ def engine_config(spec: WeightSpec, options: dict):
                       enable_expert_parallel=bool(spec.expert_parallel),
                       expert_placement_strategy=spec.expert_parallel or "linear",
                       kv_cache_dtype=options.get("kv_cache_dtype", "auto"), enforce_eager=True,
-                      skip_tokenizer_init=True, load_format="auto")
+                      skip_tokenizer_init=True, load_format="auto", use_tqdm_on_load=False)
     return args.create_engine_config()
 
 
@@ -166,6 +166,9 @@ def fill(spec: WeightSpec, device: str, progress: Callable[[int, int], None] | N
     """Build, load and (stage "processed") process this rank with vLLM; export into a sealed arena."""
     options = json.loads(spec.engine_options or "{}")
     apply_env(options)
+    # vLLM's records through the worker's handler (`journal.setup`), which gives the journal their
+    # priority, not through vLLM's own, whose every line the journal would keep at info.
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()      # what the engine loads too: kernels and models registered by plugins
