@@ -33,6 +33,7 @@ class _AllocProp(ctypes.Structure):        # CUmemAllocationProp: pinned device 
 _SIGNATURES = {
     "cuInit": [ctypes.c_uint],
     "cuDeviceGet": [ctypes.POINTER(_int), _int],
+    "cuDeviceGetCount": [ctypes.POINTER(_int)],
     "cuDeviceGetUuid_v2": [ctypes.POINTER(ctypes.c_char), _int],
     "cuDeviceTotalMem_v2": [ctypes.POINTER(_size), _int],
     "cuMemImportFromShareableHandle": [ctypes.POINTER(_u64), ctypes.c_void_p, _int],
@@ -47,6 +48,7 @@ _SIGNATURES = {
     "cuCtxSynchronize": [],
 }
 _OUT_OF_MEMORY = 2          # CUDA_ERROR_OUT_OF_MEMORY
+_INVALID_DEVICE = 101       # CUDA_ERROR_INVALID_DEVICE
 _lib = None
 _uuids: dict[int, str] = {}
 
@@ -71,22 +73,33 @@ def _check(code: int, what: str) -> None:
         raise ArenaError(f"{what} failed: CUDA driver error {code}", "check the GPU, its driver and free memory")
 
 
+def _device(ordinal: int) -> int:
+    """The driver's handle of GPU `ordinal`; one the driver does not see is named with those it does."""
+    lib, dev, count = _driver(), _int(), _int()
+    code = lib.cuDeviceGet(ctypes.byref(dev), ordinal)
+    if code == _INVALID_DEVICE:
+        _check(lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+        seen = f"GPUs 0 to {count.value - 1}" if count.value > 1 else "GPU 0" if count.value else "no GPU"
+        raise ArenaError(f"there is no GPU {ordinal} here: the CUDA driver sees {seen}",
+                         "name a GPU this machine has in the model's gpus (CUDA_VISIBLE_DEVICES renumbers them)")
+    _check(code, f"cuDeviceGet({ordinal})")
+    return dev.value
+
+
 def device_uuid(ordinal: int) -> str:
     """The GPU's UUID ("GPU-xxxxxxxx-…") for a CUDA ordinal, as `gpus.device_uuid` names it (asked
     once per ordinal: a process's ordinals do not change)."""
     if ordinal not in _uuids:
-        lib, dev, raw = _driver(), _int(), (ctypes.c_char * 16)()
-        _check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
-        _check(lib.cuDeviceGetUuid_v2(raw, dev), "cuDeviceGetUuid_v2")
+        raw = (ctypes.c_char * 16)()
+        _check(_driver().cuDeviceGetUuid_v2(raw, _device(ordinal)), "cuDeviceGetUuid_v2")
         _uuids[ordinal] = uuid_text(bytes(raw))
     return _uuids[ordinal]
 
 
 def total_memory(ordinal: int) -> int:
     """The GPU's memory in bytes, for a CUDA ordinal."""
-    lib, dev, size = _driver(), _int(), _size()
-    _check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
-    _check(lib.cuDeviceTotalMem_v2(ctypes.byref(size), dev), "cuDeviceTotalMem_v2")
+    size = _size()
+    _check(_driver().cuDeviceTotalMem_v2(ctypes.byref(size), _device(ordinal)), "cuDeviceTotalMem_v2")
     return size.value
 
 

@@ -358,3 +358,21 @@ def test_a_second_daemon_for_the_gpu_from_another_config_fails_at_once(tmp_path,
     (line,) = [l for l in second.log.read_text().splitlines() if l.startswith("error")]
     assert line.startswith("error: GPU 0 is served by another fast-start daemon (it holds /dev/nvidia0)"), line
     assert first.proc.poll() is None and first.socket.is_socket()
+
+
+def test_a_gpu_the_machine_lacks_fails_check_config_and_the_daemon_with_one_line(tmp_path, daemons):
+    """`gpus = [N]` past the machine's GPUs: check-config fails its row, and a daemon for it ends
+    at once (exit 2, no restart loop), both naming the GPUs the driver sees."""
+    missing = torch.cuda.device_count()
+    small = synth.write_checkpoint(tmp_path / "small", synth.Shape(num_layers=1))
+    cfg = cuda_config(tmp_path, [model("small", small, gpus=(missing,))])
+    said = f"there is no GPU {missing} here: the CUDA driver sees GPU"
+    check = subprocess.run([sys.executable, "-m", "fast_start.cli", "check-config", "--config", cfg, "--json"],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 2, check.stderr
+    (row,) = [r for r in json.loads(check.stdout) if r["check"] == f"memory GPU {missing}"]
+    assert not row["ok"] and row["detail"].startswith(said), row
+    daemon = daemons(cfg, gpu=missing, wait=False)
+    assert daemon.proc.wait(60) == 2
+    (line,) = [l for l in daemon.log.read_text().splitlines() if l.startswith("error")]
+    assert line.startswith(f"error: {said}"), line
