@@ -611,73 +611,90 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON,
                  reload: bool = typer.Option(False, "--reload", help="the file alone, as a reload reads it "
                                              "(the unit's ExecReload= runs this before it signals the daemon)"),
                  paths: bool = typer.Option(False, "--paths", hidden=True, help="models and workers only: what "
-                                            "check-config runs again as a unit's user")):
+                                            "check-config runs again as a unit's user"),
+                 workers: bool = typer.Option(False, "--workers", hidden=True, help="the worker interpreters only: "
+                                              "what the package checks before it restarts the instances")):
     """Check a config as `nginx -t` does: the file, each model's folder, the memory each GPU's
     models need against its budget, and each worker interpreter; run as root, also as each
     fast-start@N unit would see them (its User=, and paths its sandbox hides). Exit 0 when all
     pass, 2 if not."""
-    from .memory import device_total, fill_need, gib, keep_free
-    from .headers import rank_bytes
-
     def human(rows):
         table = Table("check", "", "detail")
         for r in rows:
             table.add_row(r["check"], "warn" if r.get("warn") else "ok" if r["ok"] else "FAIL", r["detail"])
         out.print(table)
     config = config.absolute()         # the checks as a unit's user run in "/"
-    cfg = configs.load(config, check_paths=not reload)
-    checks = [{"check": "config", "ok": bool(cfg.models) or reload, "detail": f"{config}: {len(cfg.models)} model(s)"
-               + ("" if cfg.models or reload else ": no [[model]], so every daemon would serve an empty cache")}]
+    whole = not (reload or workers)
+    cfg = configs.load(config, check_paths=whole)
+    checks = [{"check": "config", "ok": bool(cfg.models) or not whole, "detail": f"{config}: {len(cfg.models)} model(s)"
+               + ("" if cfg.models or not whole else ": no [[model]], so every daemon would serve an empty cache")}]
     if reload:          # the unit's ExecReload=: its output is the journal's, and a passing file needs no table
         if as_json or _json[0]:
             emit(checks, as_json, human)
         return
-    need: dict[int, int] = {}
-    largest: dict[int, int] = {}
+    if not workers:
+        rows, need, largest = _model_checks(cfg)
+        checks += rows + ([] if paths else _memory_checks(cfg, need, largest))
+    checks += _worker_checks(cfg)
+    if os.geteuid() == 0 and whole and not paths:
+        checks += _unit_checks(config, cfg)
+    emit(checks, as_json, human)
+    if not all(c["ok"] for c in checks):
+        raise typer.Exit(2)
+
+
+def _model_checks(cfg: configs.Config) -> tuple[list[dict], dict[int, int], dict[int, int]]:
+    """A row per model (its folder, config.json and every header read as this user); the bytes
+    each GPU's models need, and its largest model's."""
+    from .headers import rank_bytes
+    rows, need, largest = [], {}, {}
     for m in cfg.models:
         try:
             if m.filler is None:
                 _check_tp(Path(m.path), m.tensor_parallel_size, "tensor_parallel_size")
             for gpu in m.gpus:
                 spec = m.spec(gpu)
-                fingerprint(spec)           # config.json and every header, read as this user
+                fingerprint(spec)
                 engine = m.filler
                 nbytes = engine.estimate(spec) if engine else \
                     rank_bytes(Path(spec.path), spec.dtype, spec.tensor_parallel_size * spec.pipeline_parallel_size)
                 need[gpu] = need.get(gpu, 0) + nbytes
                 largest[gpu] = max(largest.get(gpu, 0), nbytes)
-            checks.append({"check": f"model {m.name}", "ok": True, "detail": f"{m.path} readable by uid {os.geteuid()}"})
+            rows.append({"check": f"model {m.name}", "ok": True, "detail": f"{m.path} readable by uid {os.geteuid()}"})
         except FastStartError as e:
-            checks.append({"check": f"model {m.name}", "ok": False, "detail": str(e)})
-    for gpu, nbytes in sorted(need.items()) if not paths else ():
+            rows.append({"check": f"model {m.name}", "ok": False, "detail": str(e)})
+    return rows, need, largest
+
+
+def _memory_checks(cfg: configs.Config, need: dict[int, int], largest: dict[int, int]) -> list[dict]:
+    """Per GPU: its models against the budget, the largest one's fill beside the others, and the
+    room an engine at vLLM's default utilization has left."""
+    from .memory import device_total, fill_need, gib, keep_free
+    rows = []
+    for gpu, nbytes in sorted(need.items()):
         try:
             total = device_total(cfg.daemon.device, gpu)
             budget = configs.parse_bytes(cfg.daemon.memory_budget, total)
-            checks.append({"check": f"memory GPU {gpu}", "ok": nbytes <= budget,
-                           "detail": f"models need about {configs.format_bytes(nbytes)} of a "
-                                     f"{configs.format_bytes(budget)} budget (memory_budget = "
-                                     f"{cfg.daemon.memory_budget!r} of {configs.format_bytes(total)})"})
+            rows.append({"check": f"memory GPU {gpu}", "ok": nbytes <= budget,
+                         "detail": f"models need about {configs.format_bytes(nbytes)} of a "
+                                   f"{configs.format_bytes(budget)} budget (memory_budget = "
+                                   f"{cfg.daemon.memory_budget!r} of {configs.format_bytes(total)})"})
             room = total - keep_free(cfg.daemon, gpu) - (nbytes - largest[gpu])
             peak = fill_need(largest[gpu], cfg.daemon.device)
             if peak > room:
-                checks.append({"check": f"fill GPU {gpu}", "ok": False, "detail": (
+                rows.append({"check": f"fill GPU {gpu}", "ok": False, "detail": (
                     f"the largest model's fill needs about {gib(peak)} at its peak; beside the other models and "
                     f"keep_free, {gib(room)} is left: serve fewer models on this GPU, or lower keep_free")})
             beside = nbytes - largest[gpu]
             if cfg.daemon.device != "cpu" and beside > total * (1 - VLLM_UTILIZATION):
-                checks.append({"check": f"engine room GPU {gpu}", "ok": True, "warn": True, "detail": (
+                rows.append({"check": f"engine room GPU {gpu}", "ok": True, "warn": True, "detail": (
                     f"an engine at vLLM's default gpu_memory_utilization {VLLM_UTILIZATION} serving the largest model "
                     f"(its mapped weights count in its share) has {gib(beside)} of other cached models beside it, "
                     f"more than the {gib(int(total * (1 - VLLM_UTILIZATION)))} it leaves: start it with "
                     f"gpu_memory_utilization {max(0.0, (total - beside) / total - 0.01):.2f} or cache fewer models")})
         except FastStartError as e:
-            checks.append({"check": f"memory GPU {gpu}", "ok": False, "detail": str(e)})
-    checks += _worker_checks(cfg)
-    if os.geteuid() == 0 and not paths:
-        checks += _unit_checks(config, cfg)
-    emit(checks, as_json, human)
-    if not all(c["ok"] for c in checks):
-        raise typer.Exit(2)
+            rows.append({"check": f"memory GPU {gpu}", "ok": False, "detail": str(e)})
+    return rows
 
 
 def _worker_checks(cfg: configs.Config) -> list[dict]:

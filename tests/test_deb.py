@@ -19,6 +19,8 @@ import pytest
 
 import fast_start
 from container import Container, RunEnv, available
+from fast_start import protocol
+from test_control_plane import fast_start_copy
 from test_systemd import engine, journal, journal_since, now, readable, sums, wait_for
 
 pytestmark = pytest.mark.slow      # builds the Debian package and installs it in a container
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.slow      # builds the Debian package and installs it i
 REPO = Path(__file__).resolve().parent.parent
 VERSION = fast_start.__version__
 UPGRADE = f"{VERSION}+1"
+OLD_PROTOCOL = protocol.VERSION - 1
 # A fill at this rate would take hours: an instance that is active again with the model cached
 # re-adopted it from the fd store.
 CONFIG = """[daemon]
@@ -81,12 +84,15 @@ def box(debs, tmp_path_factory, llama):
     model = readable(shutil.copytree(llama, tmp / "model"))
     conf = tmp / "conf"
     conf.mkdir()
-    for name, bandwidth in (("normal.toml", "0"), ("crawl.toml", "1KB")):
-        (conf / name).write_text(CONFIG.format(python=sys.executable, bandwidth=bandwidth))
+    for name, python, bandwidth in (("normal.toml", sys.executable, "0"), ("crawl.toml", sys.executable, "1KB"),
+                                    ("old-worker.toml", "/opt/old-engine/bin/python", "1KB")):
+        (conf / name).write_text(CONFIG.format(python=python, bandwidth=bandwidth))
+    old_site = fast_start_copy(tmp / "old-site", "0.1.9", OLD_PROTOCOL)
     dropin = tmp / "dropin"
     dropin.mkdir()
     (dropin / "test.conf").write_text("[Service]\nRestartSec=1\n" + env.service_dropin)
-    binds = {str(model): "/srv/model", str(conf): "/srv/conf", str(dropin): "/etc/systemd/system/fast-start@.service.d"}
+    binds = {str(model): "/srv/model", str(conf): "/srv/conf", str(dropin): "/etc/systemd/system/fast-start@.service.d",
+             str(old_site): "/srv/old-site"}
     c = apt_container(tmp, env, debs, binds)
     c.want = sums(fast_start.fetch(fast_start.WeightSpec(str(model), tensor_parallel_size=2, rank=0,
                                                          engine_version="test"), socket_dir="/nonexistent"))
@@ -174,6 +180,21 @@ def test_install_start_serve_upgrade_and_purge(box, debs):
     assert cached and cached[-1]["FAST_START_GPU"] == "0" and cached[-1]["PRIORITY"] == "6"
     digest = json.loads(c.run("fast-start", "fingerprints", "--gpu", "0", "--json").stdout)
     assert cached[-1]["FAST_START_FINGERPRINT"] in json.dumps(digest)
+
+    # An upgrade while a worker environment still has a fast-start of another protocol: the new
+    # daemon could not verify its re-adopted cache there, so the package leaves the instance
+    # running on the old version and names the environment and the steps.
+    pid = c.show("fast-start@0", "MainPID")
+    c.run("/usr/bin/python3", "-m", "venv", "--without-pip", "/opt/old-engine")
+    c.run("sh", "-c", "echo /srv/old-site > $(/opt/old-engine/bin/python -c "
+          "'import sysconfig; print(sysconfig.get_path(\"purelib\"))')/old-fast-start.pth")
+    c.run("cp", "/srv/conf/old-worker.toml", "/etc/fast-start/fast-start.toml")
+    up = c.run("env", "DEBIAN_FRONTEND=noninteractive", "dpkg", "-i", f"/srv/debs/{debs[UPGRADE].name}",
+               check=False, timeout=300)
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    assert "instances keep the old version for now" in up.stdout and "restarting" not in up.stdout, up.stdout
+    assert f"protocol {OLD_PROTOCOL}" in up.stdout and "install-engine" in up.stdout, up.stdout
+    assert c.show("fast-start@0", "MainPID") == pid and c.run("fast-start", "status", "--gpu", "0").returncode == 0
 
     # Upgrade: the package restarts the instance on the new code, which takes its cache back from
     # the fd store (at 1 KB/s a fill would not end within the test's time); the operator's
