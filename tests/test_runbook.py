@@ -1,6 +1,6 @@
 """RUNBOOK.md, every `sh` block in order, as root in a container booted with systemd: the Debian
 package installed with apt, a vLLM fill under the shipped unit, a reload, an upgrade of the
-engine's environment, a crash, the purge. Each block runs under `bash -euo pipefail`; its own
+engine's environment and one of fast-start, a crash, the purge. Each block runs under `bash -euo pipefail`; its own
 commands are the checks (status exits 1 unless every model is cached, verify 1 on a mismatch,
 grep 1 on no match). The test machine's differences are put in the text before it runs
 (`HERE`): the CPU device, synthetic checkpoints, engine environments whose vLLM is the test's."""
@@ -17,7 +17,7 @@ import pytest
 
 from container import RunEnv
 from devtools import synth
-from test_deb import VERSION, apt_container, debs  # noqa: F401  (debs: the fixture)
+from test_deb import UPGRADE, VERSION, apt_container, debs  # noqa: F401  (debs: the fixture)
 from test_systemd import journal, readable
 
 pytestmark = pytest.mark.slow      # builds the Debian package, fills with vLLM in a container
@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"^```sh\n(.*?)^```$", re.S | re.M)
 # The runbook's GPU host -> this container. Longer paths first: one is a prefix of another.
 HERE = {'device = "cuda"': 'device = "cpu"', "./fast-start_*_all.deb": f"/srv/debs/fast-start_{VERSION}_all.deb",
+        "./new/fast-start_*_all.deb": f"/srv/debs/fast-start_{UPGRADE}_all.deb",
         "/opt/vllm-new/.venv/bin/python": "/opt/engine-new/bin/python",
         "/opt/vllm/.venv/bin/python": "/opt/engine/bin/python",
         "/models/Qwen3-8B-2512": "/srv/model-2512", "/models/Qwen3-8B": "/srv/model"}
