@@ -131,8 +131,8 @@ class Daemon:
         threading.Thread(target=self._drain, daemon=True).start()
 
     def write(self, models: list[dict], **daemon) -> None:
-        lines = ["[daemon]", f'socket_dir = "{self.run_dir}"', 'device = "cuda"', f'worker_python = "{sys.executable}"']
-        lines += [f"{k} = {json.dumps(v)}" for k, v in daemon.items()]
+        settings = {"socket_dir": str(self.run_dir), "device": "cuda", "worker_python": sys.executable, **daemon}
+        lines = ["[daemon]", *(f"{k} = {json.dumps(v)}" for k, v in settings.items())]
         for m in models:
             lines += ["", "[[model]]", *(f"{k} = {json.dumps(v)}" for k, v in m.items())]
         self.config.write_text("\n".join(lines) + "\n")

@@ -275,3 +275,20 @@ def _random(shape: tuple[int, ...], name: str, gen: torch.Generator) -> torch.Te
     if name.endswith("norm.weight"):
         return (1 + 0.1 * t).to(torch.bfloat16)
     return (0.05 * t).to(torch.bfloat16)
+
+
+def write_tokenizer(folder: str | Path, vocab_size: int) -> Path:
+    """A word-level tokenizer for a synthetic checkpoint: token i is the word "t<i>", but for 0, 1
+    and 2 ("<unk>", "<s>", "</s>": BOS and EOS as `Shape.config` says), so that an engine's server
+    takes text ("t17 t230 t45") and answers text. transformers loads it as a fast tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    folder = Path(folder)
+    special = ["<unk>", "<s>", "</s>"]
+    vocab = {**{t: i for i, t in enumerate(special)}, **{f"t{i}": i for i in range(len(special), vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>",
+        "model_max_length": 2048, "clean_up_tokenization_spaces": False}))
+    return folder

