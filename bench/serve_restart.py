@@ -1,16 +1,16 @@
 """A restart as the user pays it: a fresh `vllm serve` from exec to its first answered request.
 
-    python -m bench.serve_restart OUTDIR [--model qwen3-8b|tiny] [--repeat 3] [--api serve,llm]
-    python -m bench.serve_restart OUTDIR --plot          (the picture again, from OUTDIR/summary.json)
+    python -m bench.serve_restart OUTDIR [--model qwen3-8b|tiny] [--repeat 3] [--api serve|llm]
+    python -m bench.serve_restart OUTDIR --plot     (phases read again from the logs, the picture again)
 
 Cases, in this order, each engine a fresh process at vLLM's defaults (torch.compile, CUDA graphs,
-its gpu_memory_utilization) unless `-- ENGINE ARGS` say otherwise:
+its gpu_memory_utilization) unless `--eager` or `--utilization` say otherwise:
 
 - `default cold`: vLLM's own loader, every compile cache empty (vLLM's, Inductor's, Triton's: all
   kept under WORK/caches for this run), as a first start on a machine;
 - `default warm`: the same, `--repeat` times, its caches kept;
 - then a daemon (`on_release = "drop"`) fills the model; `zero_copy first`: the first engine with
-  `--load-format fast_start` (its compile caches may be keyed by the load format), then
+  `--load-format fast_start` (apart, were its compile cache keyed by the load format), then
   `zero_copy warm` and `copy warm` `--repeat` times each, the daemon filled again after each copy.
 
 `--api llm` runs the same cases through `LLM()` and one `generate` instead of the server.
@@ -18,6 +18,8 @@ Each run: the wall time from exec to the first answered request, and its phases 
 own log lines end them (each line stamped as it arrives); the answers, which must equal the
 first default run's. OUTDIR/summary.json is written after every run (a run cut short keeps what
 it has), every engine's stamped log beside it, and OUTDIR/restart.png (matplotlib) at the end.
+Needs vLLM with its server's packages (vLLM 0.26's include watchfiles, uvloop, supervisor,
+jmespath and model-hosting-container-standards).
 """
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ try:
 except Exception:
     SERVE = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
 LLM = """
-import json, sys, time
+import json, sys
 args = json.loads(sys.argv[1])
 from vllm import LLM, SamplingParams
 llm = LLM(model=args["model"], **args["engine"])
