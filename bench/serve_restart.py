@@ -1,6 +1,7 @@
 """A restart as the user pays it: a fresh `vllm serve` from exec to its first answered request.
 
     python -m bench.serve_restart OUTDIR [--model qwen3-8b|tiny] [--repeat 3] [--api serve|llm]
+                                         [--env NAME=VALUE ...] [--default-only]
     python -m bench.serve_restart OUTDIR --plot     (phases read again from the logs, the picture again)
 
 Cases, in this order, each engine a fresh process at vLLM's defaults (torch.compile, CUDA graphs,
@@ -238,7 +239,7 @@ def checkpoint(name: str, work: Path) -> Path:
     return path
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--model", choices=("qwen3-8b", "tiny"), default="qwen3-8b")
@@ -247,40 +248,52 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="enforce_eager (the CPU's smoke run)")
     ap.add_argument("--utilization", type=float, help="gpu_memory_utilization (default: vLLM's); on the CPU, "
                     "its share of host memory")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="set for every engine (e.g. VLLM_WORKER_MULTIPROC_METHOD=fork); named in the title")
+    ap.add_argument("--default-only", action="store_true", help="the default loader's cases only, no daemon")
     ap.add_argument("--plot", action="store_true", help="only draw OUTDIR/summary.json again")
     ap.add_argument("--deadline", type=float, default=600, help="seconds one engine may take to answer")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def start_one(args: argparse.Namespace, model: Path, env: dict, log: Path, loader: dict | None) -> dict:
+    """One engine of the case's settings (`loader`: fast-start's, or None for vLLM's own)."""
+    if args.api == "serve":
+        flags = (["--enforce-eager"] if args.eager else []) + \
+            (["--gpu-memory-utilization", str(args.utilization)] if args.utilization else [])
+        if loader:
+            flags += ["--load-format", "fast_start", "--model-loader-extra-config", json.dumps(loader)]
+        return serve(model, flags, env, log, args.deadline)
+    engine = {"enforce_eager": True} if args.eager else {}
+    if args.utilization:
+        engine["gpu_memory_utilization"] = args.utilization
+    if loader:
+        engine.update(load_format="fast_start", model_loader_extra_config=loader)
+    return llm(model, engine, env, log, args.deadline)
+
+
+def main() -> None:
+    args = arguments()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.plot:
         print(plot(reparsed(args.out), args.out / "restart.png"))
         return
     import torch
+    import vllm
     from bench.big_model import WORK, Daemon, model_entry
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = checkpoint(args.model, WORK)
     caches = WORK / "caches"
     shutil.rmtree(caches, ignore_errors=True)
-    env = {**os.environ, **cache_env(caches)}
-    import vllm
+    env = {**os.environ, **cache_env(caches), **dict(e.split("=", 1) for e in args.env)}
     title = (f"{args.model}, vLLM {vllm.__version__} {args.api}, "
-             f"{torch.cuda.get_device_name(0) if device == 'cuda' else 'CPU'}{', eager' if args.eager else ''}")
+             f"{torch.cuda.get_device_name(0) if device == 'cuda' else 'CPU'}{', eager' if args.eager else ''}"
+             + "".join(f", {e}" for e in args.env))
     runs: list[dict] = []
 
     def run(case: str, i: int, loader: dict | None = None) -> None:
         log = args.out / f"{case.replace(' ', '-')}-{i}.log"
-        if args.api == "serve":
-            flags = (["--enforce-eager"] if args.eager else []) + \
-                (["--gpu-memory-utilization", str(args.utilization)] if args.utilization else [])
-            if loader:
-                flags += ["--load-format", "fast_start", "--model-loader-extra-config", json.dumps(loader)]
-            r = serve(model, flags, env, log, args.deadline)
-        else:
-            engine = {"enforce_eager": True} if args.eager else {}
-            if args.utilization:
-                engine["gpu_memory_utilization"] = args.utilization
-            if loader:
-                engine.update(load_format="fast_start", model_loader_extra_config=loader)
-            r = llm(model, engine, env, log, args.deadline)
+        r = start_one(args, model, env, log, loader)
         r.update(case=case, log=log.name, phases=phases(r.pop("lines"), r["first_answer_s"]))
         runs.append(r)
         print(f"{case} {i}: {r['first_answer_s']} s, rc {r['rc']}, {r['phases']}", flush=True)
@@ -289,19 +302,20 @@ def main() -> None:
     run("default cold", 0)
     for i in range(args.repeat):
         run("default warm", i)
-    d = Daemon("serve-restart", [model_entry("m", model)], device=device, on_release="drop")
-    try:
-        if d.wait_ready() is None:
-            raise SystemExit(f"the daemon did not get ready; see {args.out}/serve-restart-daemon.log")
-        loader = {"socket_dir": str(d.run_dir), "fallback": False}
-        run("zero_copy first", 0, {**loader, "mode": "zero_copy"})
-        for i in range(args.repeat):
-            run("zero_copy warm", i, {**loader, "mode": "zero_copy"})
-        for i in range(args.repeat):
-            run("copy warm", i, {**loader, "mode": "copy"})
-            d.cli("fill", "--gpu", "0", "--model", "m", "--wait", "600")
-    finally:
-        d.stop()
+    if not args.default_only:
+        d = Daemon("serve-restart", [model_entry("m", model)], device=device, on_release="drop")
+        try:
+            if d.wait_ready() is None:
+                raise SystemExit(f"the daemon did not get ready; see {args.out}/serve-restart-daemon.log")
+            loader = {"socket_dir": str(d.run_dir), "fallback": False}
+            run("zero_copy first", 0, {**loader, "mode": "zero_copy"})
+            for i in range(args.repeat):
+                run("zero_copy warm", i, {**loader, "mode": "zero_copy"})
+            for i in range(args.repeat):
+                run("copy warm", i, {**loader, "mode": "copy"})
+                d.cli("fill", "--gpu", "0", "--model", "m", "--wait", "600")
+        finally:
+            d.stop()
     summary = summarize(runs, title)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(plot(summary, args.out / "restart.png"))
