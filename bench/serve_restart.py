@@ -120,6 +120,8 @@ def serve(model: Path, engine_args: list[str], env: dict, log: Path, deadline_s:
         try:
             answers.append(complete(port, str(model), PROMPTS[len(answers)]))
             first = first or e.since()
+        except urllib.error.HTTPError as err:       # it listens and refuses: an answer, and a wrong one
+            answers.append(f"HTTP {err.code}: {err.read()[:300]!r}")
         except (urllib.error.URLError, ConnectionError):
             time.sleep(0.05)
     return {"rc": e.stop(), "first_answer_s": first, "answers": answers, "lines": e.lines}
