@@ -90,6 +90,7 @@ class Cache:
         self.history = History()
         self.reloads, self.reload_error = 0, ""       # SIGHUPs handled; why the last one was refused
         self.reload_began = 0.0                         # when the last one began to read the config
+        self.kept_artifacts: Callable[[int | None], list] = lambda uid: []     # the daemon's artifact_store.report
         self.lock = threading.Lock()
         self.metrics = Metrics(gpu)
 
@@ -434,7 +435,7 @@ class Cache:
                                   models=models, missing=missing, leases=leases, device=self.device,
                                   version=__version__, started_at=self.started, reloads=self.reloads,
                                   reload_error=self.reload_error, reload_began=self.reload_began,
-                                  memory=self._memory(now))
+                                  memory=self._memory(now), artifacts=self.kept_artifacts(None if admin else peer.uid))
 
     def _memory(self, now: memory.Memory | None) -> reports.Memory:
         """The device's total and free memory (None where they cannot be told) and what this

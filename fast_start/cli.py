@@ -291,6 +291,11 @@ def _status_table(states: list) -> None:
         for m in getattr(s, "models", []):
             if m.note:
                 out.print(f"GPU {s.gpu} {m.name}: {m.note}", highlight=False)
+        for a in getattr(s, "artifacts", None) or []:
+            last = {"hit": "handed over", "miss": f"missed ({a.why})", "kept": "kept anew"}.get(a.last)
+            when = f"; last engine start: {last}, {_duration(time.time() - a.at)} ago" if last else ""
+            out.print(f"GPU {s.gpu} {a.model}: uid {a.uid}'s kept artifacts: {a.sets} set(s), "
+                      f"{configs.format_bytes(a.bytes)}{when}", highlight=False)
 
 
 def _duration(seconds: float) -> str:

@@ -44,6 +44,7 @@ class DaemonConfig:
     refill_on_change: bool = True           # refill a model whose checkpoint changed under it
     metrics_file: str = ""                  # a Prometheus textfile per GPU ("{gpu}" in the path); "" = none
     request_timeout_s: int = 10             # an idle connection waits this long for a request; a frame takes at most this
+    artifacts: str = "8GiB"                 # what an engine user may keep of its engine's artifacts per GPU; "0" = none
 
     @property
     def shared(self) -> bool:
@@ -260,7 +261,8 @@ def _check_daemon(d: DaemonConfig, path: str) -> None:
                     f"create it (groupadd {name}) or remove it from {key}")
     if any(u < 0 for u in d.allowed_uids):
         bad("allowed_uids", f"is {list(d.allowed_uids)}", "list user ids (0 or more)")
-    for key, total in (("memory_budget", 1), ("fill_bandwidth", None), ("arena_chunk", None), ("keep_free", 1)):
+    for key, total in (("memory_budget", 1), ("fill_bandwidth", None), ("arena_chunk", None), ("keep_free", 1),
+                       ("artifacts", None)):
         try:
             parse_bytes(getattr(d, key), total)
         except ValueError:

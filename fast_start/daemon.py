@@ -43,6 +43,7 @@ from pathlib import Path
 
 from . import __version__, fdstore, files, memory, metrics, notify, protocol, reports, trust, watch
 from . import config as configs
+from .artifact_store import Artifacts
 from .cache import Cache, Entry
 from .leases import Limits
 from .errors import CheckpointError, ConfigError, FastStartError, NoRoom, StartError
@@ -114,10 +115,15 @@ class Daemon:
         self.cache.configure(tuple(m.name for m in self.models), cfg.daemon.on_release,
                              memory.keep_free(cfg.daemon, gpu), tuple(m.path for m in self.models))
         self.sizes: dict[str, int] = {}     # model -> its bytes, as the worker estimated them (check_models)
-        if os.environ.get("STATE_DIRECTORY"):           # systemd's StateDirectory=: evictions survive restarts
-            self.cache.history.keep(Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / f"gpu{gpu}.evictions.json")
+        state = Path(os.environ["STATE_DIRECTORY"].split(":")[0]) if os.environ.get("STATE_DIRECTORY") else None
+        if state:           # systemd's StateDirectory=: evictions and engines' artifacts survive restarts
+            self.cache.history.keep(state / f"gpu{gpu}.evictions.json")
+        self.artifacts = Artifacts(state / "artifacts" / f"gpu{gpu}" if state else None,
+                                   configs.parse_bytes(cfg.daemon.artifacts), lambda: {m.name for m in self.models},
+                                   self.cache.metrics)
+        self.cache.kept_artifacts = self.artifacts.report
         self.server = Server(self.cache, Policy.of(cfg.daemon), max_connections,
-                             inflight_budget(len({g for m in cfg.models for g in m.gpus})))
+                             inflight_budget(len({g for m in cfg.models for g in m.gpus})), self.artifacts)
         self.watch = watch.Watch()
         self.keeper = Keeper(self)
         self.epoll: select.epoll | None = None
@@ -214,6 +220,7 @@ class Daemon:
             os.chmod(socket_path(self.directory, self.gpu), 0o666 if cfg.daemon.shared else 0o600)
         self.cfg = cfg
         self.server.policy = Policy.of(cfg.daemon)
+        self.artifacts.budget = configs.parse_bytes(cfg.daemon.artifacts)
         self.cache.configure(tuple(new), cfg.daemon.on_release, memory.keep_free(cfg.daemon, self.gpu),
                              tuple(m.path for m in new.values()))
         for name, why in changed.items():

@@ -198,6 +198,29 @@ class Error(Message):
     checkpoint: bool = False    # the model's folder cannot be used (that model fails, not the daemon)
 
 
+class Artifacts(Message):                  # engine -> daemon: the set it kept for `key`, if any (`artifacts.py`)
+    kind = "artifacts"
+    model: str
+    key: str                      # the engine's word for what decides whether a set fits
+    settings: dict                # the settings behind `key` (str -> str): a miss names those that differ
+
+
+class KeptArtifacts(Message):              # daemon -> engine, with a read-only fd of the set's tar archive
+    kind = "kept_artifacts"
+    key: str
+    size: int
+    sha256: str
+
+
+class Keep(Message):                       # engine -> daemon: keep this set; `size` bytes of tar follow the frame
+    kind = "keep"
+    model: str
+    key: str
+    settings: dict
+    size: int
+    sha256: str
+
+
 class Progress(Message):                   # worker -> daemon during a fill
     kind = "progress"
     model: str
@@ -258,9 +281,12 @@ class Verified(Message):                   # worker -> daemon
 
 KINDS = {c.kind: c for c in (
     Hello, Status, Fingerprints, Acquire, Release, Evict, Evictions, Fill, Metrics, Welcome, Report, Acquired, Fds, Miss, Error,
+    Artifacts, KeptArtifacts, Keep,
     Progress, Filled, WorkerHello, CheckJob, Checked, FillJob, VerifyJob, Verified)}
 JOBS = ("check_job", "fill_job", "verify_job")
-REQUESTS = ("hello", "status", "fingerprints", "acquire", "release", "evict", "evictions", "fill", "metrics")
+REQUESTS = ("hello", "status", "fingerprints", "acquire", "release", "evict", "evictions", "fill", "metrics",
+            "artifacts", "keep")
+ARTIFACTS = ("artifacts", "keep")
 _TYPES = {"int": int, "str": str, "dict": dict, "list": list, "float": (int, float), "bool": bool}
 
 

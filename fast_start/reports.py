@@ -38,6 +38,16 @@ class CachedModel(NamedTuple):          # a cached model, as `status` lists it
     note: str | None = None
 
 
+class KeptSets(NamedTuple):             # one engine user's kept artifacts of a model (`artifact_store.py`)
+    model: str
+    uid: int
+    sets: int
+    bytes: int
+    last: str = ""                      # the last engine start's: "hit", "miss", "kept"; "" none since the daemon started
+    why: str = ""                       # a miss's reason
+    at: float = 0.0
+
+
 class Missing(NamedTuple):              # a configured model that is not cached (`Cache.pending`)
     name: str
     state: str
@@ -68,6 +78,7 @@ class Status(NamedTuple):
     reload_error: str = ""              # why the last reload kept the running config
     reload_began: float = 0.0           # when the last finished reload began to read the config (time.time())
     memory: Memory | None = None
+    artifacts: list[KeptSets] | None = None     # engines' kept artifacts: all users' for admins, else the peer's
 
 
 class Progress(NamedTuple):             # a fill under way, as the daemon last reported it

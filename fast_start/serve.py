@@ -17,6 +17,9 @@ next, and one always waits. No client can lock others out:
 - a connection waits at most `request_timeout_s` (the config's) for a request to begin, and a
   request (or a reply) must be complete within it: a peer trickling a byte a second is cut off;
 - descriptors sent to the daemon are discarded by the kernel (`protocol.recv`);
+- the artifacts a `Keep` sends after its frame must all arrive within the request timeout and a
+  second for each `UPLOAD_RATE` bytes, and a Keep refused before they were read closes the
+  connection (the stream is out of step);
 - descriptors sent *by* the daemon and not yet received are bounded per connection, per uid and
   in all (`inflight.py`): a peer that asks and never reads cannot stop fd passing for others.
 """
@@ -31,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import protocol, transport, trust
+from . import artifact_store as artifacts, protocol, transport, trust
 from .cache import Cache
 from .config import DaemonConfig
 from .inflight import InFlight
@@ -40,6 +43,7 @@ log = logging.getLogger("fast_start.daemon")
 MAX_CONNECTIONS_PER_UID = 64
 ADMIN_RESERVE = 8           # of max_connections, for admins only (root's status gets in)
 REAP_AFTER_S = 1.0          # a connection idle this long may be closed to make room for a new one
+UPLOAD_RATE = 32 << 20     # bytes/s of a Keep's artifacts a peer must at least send
 WAIT_S = 60.0               # how long a thread with no connection waits for one before it ends
 THREAD_NAME = "fast-start-connection"
 
@@ -68,8 +72,10 @@ class Policy:
 
 
 class Server:
-    def __init__(self, cache: Cache, policy: Policy, max_connections: int, inflight: InFlight):
+    def __init__(self, cache: Cache, policy: Policy, max_connections: int, inflight: InFlight,
+                 kept: artifacts.Artifacts):
         self.cache, self.policy, self.max_connections, self.inflight = cache, policy, max_connections, inflight
+        self.artifacts = kept
         # uid -> its open connections, each with when it began to wait for a request (None: busy)
         self.open: dict[int, dict[socket.socket, float | None]] = {}
         self.lock = threading.Lock()
@@ -213,7 +219,8 @@ class Server:
                     protocol.send(conn, protocol.Error(f"uid {creds.uid} may no longer use this daemon",
                                                        "run as the daemon's user or list it in allowed_uids"))
                     return
-                self.answer(conn, msg, peer)
+                if not self.answer(conn, msg, peer):
+                    return
         except OSError:
             pass            # the peer went away or stalled: nothing of ours is left half-done
         finally:
@@ -233,9 +240,16 @@ class Server:
         with self.lock:
             self._forget(conn, uid)
 
-    def answer(self, conn: socket.socket, msg, peer: trust.Peer) -> None:
+    def answer(self, conn: socket.socket, msg, peer: trust.Peer) -> bool:
+        """Reply to `msg`; False if the connection is out of step (bytes it sent are left unread)."""
+        upload = _upload(conn, msg.size, self.policy.timeout_s) if isinstance(msg, protocol.Keep) else None
         try:
-            reply, fds, done = self.cache.handle(msg, peer)
+            if msg.kind in protocol.ARTIFACTS:
+                reply, fds, done = self.artifacts.handle(msg, peer, upload)
+            else:
+                reply, fds, done = self.cache.handle(msg, peer)
+        except artifacts.Cut:
+            raise
         except Exception:           # a bug must cost one reply, never the daemon
             log.exception("request %s from pid %d failed", msg.kind, peer.pid)
             reply, fds, done = protocol.Error(f"the daemon failed on a {msg.kind!r} request",
@@ -254,6 +268,18 @@ class Server:
             done(sent)
         if fds:
             self.inflight.sent_on(conn, peer.uid, len(fds))
+        return not (upload and upload.left)
+
+
+def _upload(conn: socket.socket, size: int, timeout: float) -> artifacts.Upload:
+    """The `size` bytes after a Keep frame, read from `conn`: all of them within `timeout` and a
+    second for each `UPLOAD_RATE` bytes, so that a trickling peer cannot hold its thread."""
+    deadline = time.monotonic() + timeout + max(0, size) / UPLOAD_RATE
+
+    def read(n: int) -> bytes:
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
+        return conn.recv(n)
+    return artifacts.Upload(read, max(0, size))
 
 
 def _refuse(conn: socket.socket, error: protocol.Error) -> None:

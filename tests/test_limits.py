@@ -24,6 +24,7 @@ from probe import wait_until
 
 import fast_start
 from fast_start import protocol, serve
+from fast_start.artifact_store import Artifacts
 from fast_start.cache import Cache
 from fast_start.inflight import InFlight
 from fast_start.checkpoint import open_checkpoint
@@ -279,7 +280,9 @@ def test_connection_threads_wait_for_the_next_connection_and_spare_ones_end(monk
         return all_threads() - others
 
     monkeypatch.setattr(serve, "WAIT_S", 0.3)
-    server = serve.Server(Cache(0, "cpu", "keep"), serve.Policy(), max_connections=100, inflight=InFlight(1024, 256))
+    cache = Cache(0, "cpu", "keep")
+    server = serve.Server(cache, serve.Policy(), max_connections=100, inflight=InFlight(1024, 256),
+                          kept=Artifacts(None, 0, set, cache.metrics))
     assert threads() == set()               # none before serving begins
     server.start()
 

@@ -1,0 +1,156 @@
+"""The engine's side of kept artifacts (the daemon's side: `artifact_store.py`).
+
+An engine points the caches it rebuilds at every start (vLLM's torch.compile cache, Triton's
+kernels) at a folder of its own (`Folder`), made fresh for the process and removed when it
+exits: a sandboxed or containerized engine's `$HOME` may be neither writable nor kept, and this
+folder needs neither. `hand_over` fills it from the set the daemon kept for the engine's key,
+checking the archive's SHA-256 as it unpacks; a set that fails the check or holds anything but
+folders and regular files under relative names is refused, and the folder left empty, so the
+engine rebuilds. Once the engine has started, `Folder.keep` sends the folder back if it holds
+anything the set did not: the first start of a key, or a rebuild after a refusal.
+
+Stdlib only: the engine's plugin calls it with torch loaded, but nothing here needs it.
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import shutil
+import socket
+import tarfile
+import tempfile
+from pathlib import Path
+
+from . import protocol, transport
+from .errors import FastStartError
+
+CHUNK = 1 << 20
+
+
+class Folder:
+    """The engine's artifact folder; `outcome` says how it was filled ("hit", "miss: why",
+    "refused: why"), `listing` what it held then."""
+
+    def __init__(self, socket_path: str, model: str, key: str, settings: dict[str, str]):
+        self.socket, self.model, self.key, self.settings = socket_path, model, key, settings
+        self.path = Path(tempfile.mkdtemp(prefix="fast-start-artifacts-"))
+        atexit.register(shutil.rmtree, self.path, True)
+        self.outcome, self.listing = "", {}
+
+    def keep(self, timeout: float = 30.0) -> int:
+        """Send the folder to the daemon if it holds anything new: the bytes sent (0: nothing new)."""
+        now = _listing(self.path)
+        if now == self.listing:
+            return 0
+        with tempfile.TemporaryFile() as archive:
+            digest, size = _pack(self.path, archive)
+            with transport.connect(Path(self.socket), timeout) as conn:
+                conn.settimeout(timeout + size / (32 << 20))
+                protocol.send(conn, protocol.Keep(self.model, self.key, self.settings, size, digest))
+                conn.sendfile(archive)
+                reply, _ = protocol.recv(conn, accept_fds=False)
+        if isinstance(reply, protocol.Error):
+            raise FastStartError(f"the daemon did not keep the artifacts: {reply.what}", reply.fix)
+        if isinstance(reply, protocol.Miss):
+            raise FastStartError(f"the daemon did not keep the artifacts: {reply.reason}", reply.fix)
+        self.listing = now
+        return size
+
+
+def hand_over(socket_path: str, model: str, key: str, settings: dict[str, str], timeout: float = 5.0) -> Folder:
+    """A new folder for the engine's artifacts, holding the set the daemon kept for `key` if it has one."""
+    folder = Folder(socket_path, model, key, settings)
+    try:
+        with transport.connect(Path(socket_path), timeout) as conn:
+            reply, fds = transport.request(conn, protocol.Artifacts(model, key, settings), with_fds=True)
+    except (FastStartError, OSError) as e:
+        folder.outcome = f"miss: {getattr(e, 'what', e)}"
+        return folder
+    if isinstance(reply, protocol.Miss) or not isinstance(reply, protocol.KeptArtifacts) or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        folder.outcome = f"miss: {getattr(reply, 'reason', f'the daemon answered {reply.kind}')}"
+        return folder
+    with open(fds[0], "rb") as f:
+        why = _unpack(f, reply.sha256, folder.path)
+    if why:
+        shutil.rmtree(folder.path, ignore_errors=True)
+        folder.path.mkdir(mode=0o700)
+        folder.outcome = f"refused: {why}"
+    else:
+        folder.outcome = "hit"
+    folder.listing = _listing(folder.path)
+    return folder
+
+
+def _listing(root: Path) -> dict[str, tuple[int, int]]:
+    """relative name -> (size, mtime_ns) of every regular file under `root`."""
+    out = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            st = os.lstat(os.path.join(folder, name))
+            out[os.path.relpath(os.path.join(folder, name), root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _pack(root: Path, archive) -> tuple[str, int]:
+    """Write `root`'s folders and regular files (links and others left out) as a tar: its SHA-256
+    and size, `archive` left at its start."""
+    with tarfile.open(fileobj=archive, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for folder, dirs, names in os.walk(root):
+            for name in sorted(dirs) + sorted(names):
+                path = os.path.join(folder, name)
+                info = tar.gettarinfo(path, os.path.relpath(path, root))
+                if info.isdir():
+                    tar.addfile(info)
+                elif info.isreg():
+                    with open(path, "rb") as f:
+                        tar.addfile(info, f)
+    size = archive.tell()
+    archive.seek(0)
+    digest = hashlib.sha256()
+    while chunk := archive.read(CHUNK):
+        digest.update(chunk)
+    archive.seek(0)
+    return digest.hexdigest(), size
+
+
+class _Hashed:
+    """A file read through, its SHA-256 taken of every byte read."""
+
+    def __init__(self, f):
+        self.f, self.digest = f, hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.digest.update(data)
+        return data
+
+
+def _unpack(f, sha256: str, root: Path) -> str:
+    """Unpack the tar `f` into `root`; why it was refused, or "" if it was whole and safe."""
+    hashed = _Hashed(f)
+    try:
+        with tarfile.open(fileobj=hashed, mode="r|") as tar:
+            for member in tar:
+                parts = Path(member.name).parts
+                if not (member.isreg() or member.isdir()) or not parts or Path(member.name).is_absolute() \
+                        or ".." in parts:
+                    return f"the archive holds {member.name!r}, which is not a file or folder inside it"
+                target = root.joinpath(*parts)
+                if member.isdir():
+                    target.mkdir(mode=0o700, exist_ok=True)
+                    continue
+                source = tar.extractfile(member)
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o700 if member.mode & 0o100 else 0o600)
+                with open(fd, "wb") as out:
+                    shutil.copyfileobj(source, out, CHUNK)
+        while hashed.read(CHUNK):
+            pass
+    except (tarfile.TarError, OSError) as e:
+        return f"the archive cannot be read ({type(e).__name__}: {e})"
+    if hashed.digest.hexdigest() != sha256:
+        return "the archive is not the bytes the daemon kept (its SHA-256 differs)"
+    return ""

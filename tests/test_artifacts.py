@@ -1,0 +1,195 @@
+"""Engines' artifacts kept by real daemons (CPU): handed over to the uid that kept them, keyed,
+checked, bounded, kept across a daemon's restart; a hostile or broken upload costs one reply."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pwd
+import socket
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from devtools import synth
+from devtools.harness import write_config
+from fast_start import artifacts, protocol
+from fast_start.transport import connect, request
+
+SETTINGS = {"vllm": "0.26.0", "scheduler.max_num_seqs": "256", "compilation.cudagraph_capture_sizes": "[1, 2, 4]"}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+
+
+@pytest.fixture
+def daemon(tmp_path, daemons):
+    """A daemon with a state directory (as its unit gives it) serving one model, "small"."""
+    folder = synth.write_checkpoint(tmp_path / "small", synth.Shape(num_layers=1))
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+
+    def start(**daemon_keys):
+        cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [
+            {"name": "small", "path": str(folder), "gpus": [0], "engine_version": "test"}], **daemon_keys)
+        return daemons(cfg, env={"STATE_DIRECTORY": str(state)})
+    start.state = state
+    return start
+
+
+def built(folder: artifacts.Folder, files: dict[str, bytes]) -> artifacts.Folder:
+    """What an engine's compile writes into its folder."""
+    for name, data in files.items():
+        path = folder.path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return folder
+
+
+def contents(folder: artifacts.Folder) -> dict[str, bytes]:
+    return {name: (folder.path / name).read_bytes() for name in folder.listing}
+
+
+COMPILED = {"vllm/torch_compile_cache/ab12/rank_0_0/backbone/model.py": b"graph" * 1000,
+            "triton/XYZ/kernel.cubin": os.urandom(4096)}
+
+
+def test_a_set_kept_after_a_first_start_is_handed_to_the_next_start_and_not_sent_again(daemon):
+    d = daemon()
+    first = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
+    assert first.outcome == "miss: no artifacts of small are kept for this user yet" and not first.listing
+    assert built(first, COMPILED).keep() > 0
+    assert "kept uid" in d.log.read_text()
+    second = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
+    assert second.outcome == "hit" and contents(second) == COMPILED
+    assert second.path != first.path and second.keep() == 0         # nothing new: nothing sent
+    assert d.log.read_text().count("handed uid") == 1
+
+
+def test_another_setting_is_a_miss_that_names_it_and_both_sets_stay_kept(daemon):
+    d = daemon()
+    built(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS), COMPILED).keep()
+    other = {**SETTINGS, "scheduler.max_num_seqs": "128"}
+    miss = artifacts.hand_over(str(d.socket), "small", "k2", other)
+    assert miss.outcome == ("miss: the artifacts kept of small were made with other settings: "
+                            "scheduler.max_num_seqs: kept 256, now 128")
+    built(miss, {"vllm/other.py": b"other"}).keep()
+    assert artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS).outcome == "hit"
+    assert contents(artifacts.hand_over(str(d.socket), "small", "k2", other)) == {"vllm/other.py": b"other"}
+
+
+def test_a_corrupted_set_is_refused_rebuilt_and_kept_anew(daemon):
+    d = daemon()
+    built(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS), COMPILED).keep()
+    [tar] = daemon.state.glob("artifacts/gpu0/*/*.tar")
+    data = bytearray(tar.read_bytes())
+    data[len(data) // 3] ^= 0xFF                   # a flipped bit on the daemon's disk
+    tar.write_bytes(bytes(data))
+    refused = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
+    assert refused.outcome == "refused: the archive is not the bytes the daemon kept (its SHA-256 differs)"
+    assert not any(refused.path.iterdir())                          # nothing of it is used
+    assert built(refused, COMPILED).keep() > 0                      # the rebuild replaces it
+    assert contents(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)) == COMPILED
+
+
+def test_an_archive_reaching_outside_its_folder_is_refused(daemon, tmp_path):
+    d = daemon()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("../../escaped")
+        info.size = 4
+        tar.addfile(info, io.BytesIO(b"evil"))
+    keep_raw(d.socket, "k1", buf.getvalue())
+    refused = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
+    assert refused.outcome == "refused: the archive holds '../../escaped', which is not a file or folder inside it"
+    assert not (refused.path.parent.parent / "escaped").exists() and not any(refused.path.iterdir())
+
+
+def keep_raw(sock: Path, key: str, data: bytes, sha256: str | None = None, send: bytes | None = None):
+    """A Keep as a hostile client may send it: its reply (None if the daemon closed instead)."""
+    import hashlib
+    with connect(sock, 5) as conn:
+        protocol.send(conn, protocol.Keep("small", key, SETTINGS, len(data), sha256 or hashlib.sha256(data).hexdigest()))
+        try:
+            conn.sendall(data if send is None else send)
+            if send is not None:
+                conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        reply, _ = protocol.recv(conn, accept_fds=False)
+        return reply
+
+
+def test_bad_uploads_cost_one_reply_and_leave_no_file(daemon):
+    d = daemon(artifacts="1MiB")
+    wrong = keep_raw(d.socket, "k1", b"x" * 1000, sha256="0" * 64)
+    assert wrong.kind == "error" and "not the bytes their SHA-256 names" in wrong.what
+    big = keep_raw(d.socket, "k1", b"x" * (2 << 20))
+    assert big.kind == "error" and "up to 1048576 bytes" in big.what
+    cut = keep_raw(d.socket, "k1", b"x" * 100_000, send=b"x" * 10)      # stops early, closes its side
+    assert cut is None
+    assert request(connect(d.socket, 5), protocol.Hello(protocol.VERSION)).kind == "welcome"
+    assert list(daemon.state.glob("artifacts/gpu0/*/*")) == []          # no set, no part file
+    assert artifacts.hand_over(str(d.socket), "unknown", "k1", SETTINGS).outcome == \
+        "miss: model 'unknown' is not configured here"
+
+
+def test_the_least_recently_used_sets_go_when_a_user_s_budget_is_full(daemon):
+    d = daemon(artifacts="100KiB")
+    for key in ("k1", "k2", "k3"):
+        built(artifacts.hand_over(str(d.socket), "small", key, SETTINGS), {"a.bin": os.urandom(40 << 10)}).keep()
+    assert [artifacts.hand_over(str(d.socket), "small", k, SETTINGS).outcome == "hit"
+            for k in ("k1", "k2", "k3")] == [False, True, True]
+    assert "dropped 1 set(s) used less recently to stay within 102400 bytes" in d.log.read_text()
+
+
+def test_sets_survive_the_daemon_and_one_without_a_state_directory_keeps_none(daemon, daemons, tmp_path):
+    d = daemon()
+    built(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS), COMPILED).keep()
+    d.stop()
+    d = daemon()
+    assert contents(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)) == COMPILED
+    d.stop()
+    cfg = write_config(tmp_path / "plain.toml", tmp_path / "run2", [
+        {"name": "small", "path": str(tmp_path / "small"), "gpus": [0], "engine_version": "test"}])
+    plain = daemons(cfg, env={"STATE_DIRECTORY": ""})
+    miss = artifacts.hand_over(str(plain.socket), "small", "k1", SETTINGS)
+    assert miss.outcome == "miss: this daemon keeps no artifacts"
+
+
+NOBODY_HANDS_OVER = """
+import json, os, sys
+from fast_start import artifacts
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+folder = artifacts.hand_over(sys.argv[1], "small", "k1", json.loads(sys.argv[2]))
+print(folder.outcome)
+"""
+
+
+@root_only
+def test_a_set_goes_only_to_the_uid_that_kept_it(tmp_path, daemons, open_dir):
+    folder = synth.write_checkpoint(open_dir / "small", synth.Shape(num_layers=1))
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path / "fs.toml", open_dir / "run", [
+        {"name": "small", "path": str(folder), "gpus": [0], "engine_version": "test"}],
+        allowed_uids=[pwd.getpwnam("nobody").pw_uid])
+    d = daemons(cfg, env={"STATE_DIRECTORY": str(state)})
+    built(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS), COMPILED).keep()      # root's
+    out = subprocess.run([sys.executable, "-c", NOBODY_HANDS_OVER, str(d.socket), json.dumps(SETTINGS)],
+                         capture_output=True, text=True, env=ENV, timeout=60, cwd="/")
+    assert out.stdout.strip() == "miss: no artifacts of small are kept for this user yet", out.stderr
+
+
+def test_status_says_which_sets_are_kept_and_why_the_last_start_missed(daemon):
+    d = daemon()
+    built(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS), COMPILED).keep()
+    artifacts.hand_over(str(d.socket), "small", "k2", {**SETTINGS, "vllm": "0.27.0"})
+    out = subprocess.run([sys.executable, "-m", "fast_start.cli", "status", "--gpu", "0", "--config", str(d.config)],
+                         capture_output=True, text=True, env=ENV, timeout=60)
+    assert out.returncode == 0, out.stderr
+    line = next(l for l in out.stdout.splitlines() if "kept artifacts" in l)
+    assert line.startswith(f"GPU 0 small: uid {os.geteuid()}'s kept artifacts: 1 set(s), ") and \
+        "last engine start: missed (the artifacts kept of small were made with other settings: vllm: kept 0.26.0, " \
+        "now 0.27.0)" in line, line
