@@ -69,7 +69,7 @@ class Artifacts:
         """An `Artifacts` or `Keep` request -> (reply, fds, done(sent))."""
         why = self._refused(msg.model)
         if why:
-            return protocol.Miss(why[0], [], msg.model, why[1]), [], _nothing
+            return protocol.Miss(why[0], [protocol.UNKEPT], msg.model, why[1]), [], _nothing
         if isinstance(msg, protocol.Keep):
             return self.keep(msg, peer, upload), [], _nothing
         return self.find(msg, peer)

@@ -58,18 +58,24 @@ class Folder:
         return size
 
 
+class Unkept(FastStartError):
+    """The daemon keeps no artifacts of this model (or cannot be asked): the engine's caches stay its own."""
+
+
 def hand_over(socket_path: str, model: str, key: str, settings: dict[str, str], timeout: float = 5.0) -> Folder:
-    """A new folder for the engine's artifacts, holding the set the daemon kept for `key` if it has one."""
-    folder = Folder(socket_path, model, key, settings)
+    """A new folder for the engine's artifacts, holding the set the daemon kept for `key` if it
+    has one; `Unkept` where the daemon keeps none of this model."""
     try:
         with transport.connect(Path(socket_path), timeout) as conn:
             reply, fds = transport.request(conn, protocol.Artifacts(model, key, settings), with_fds=True)
-    except (FastStartError, OSError) as e:
-        folder.outcome = f"miss: {getattr(e, 'what', e)}"
-        return folder
+    except (FastStartError, OSError) as e:       # a daemon of an earlier version does not know the request
+        raise Unkept(f"the daemon cannot be asked for artifacts: {getattr(e, 'what', e)}", "") from None
+    folder = Folder(socket_path, model, key, settings)
     if isinstance(reply, protocol.Miss) or not isinstance(reply, protocol.KeptArtifacts) or len(fds) != 1:
         for fd in fds:
             os.close(fd)
+        if isinstance(reply, protocol.Miss) and protocol.UNKEPT in reply.fields:
+            raise Unkept(reply.reason, reply.fix)
         folder.outcome = f"miss: {getattr(reply, 'reason', f'the daemon answered {reply.kind}')}"
         return folder
     with open(fds[0], "rb") as f:

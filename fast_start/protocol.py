@@ -205,6 +205,9 @@ class Artifacts(Message):                  # engine -> daemon: the set it kept f
     settings: dict                # the settings behind `key` (str -> str): a miss names those that differ
 
 
+UNKEPT = "unkept"                          # a Miss's field: this daemon keeps no artifacts of the model at all
+
+
 class KeptArtifacts(Message):              # daemon -> engine, with a read-only fd of the set's tar archive
     kind = "kept_artifacts"
     key: str

@@ -132,8 +132,8 @@ def test_bad_uploads_cost_one_reply_and_leave_no_file(daemon):
     assert cut is None
     assert request(connect(d.socket, 5), protocol.Hello(protocol.VERSION)).kind == "welcome"
     assert list(daemon.state.glob("artifacts/gpu0/*/*")) == []          # no set, no part file
-    assert artifacts.hand_over(str(d.socket), "unknown", "k1", SETTINGS).outcome == \
-        "miss: model 'unknown' is not configured here"
+    with pytest.raises(artifacts.Unkept, match="model 'unknown' is not configured here"):
+        artifacts.hand_over(str(d.socket), "unknown", "k1", SETTINGS)
 
 
 def test_the_least_recently_used_sets_go_when_a_user_s_budget_is_full(daemon):
@@ -155,8 +155,8 @@ def test_sets_survive_the_daemon_and_one_without_a_state_directory_keeps_none(da
     cfg = write_config(tmp_path / "plain.toml", tmp_path / "run2", [
         {"name": "small", "path": str(tmp_path / "small"), "gpus": [0], "engine_version": "test"}])
     plain = daemons(cfg, env={"STATE_DIRECTORY": ""})
-    miss = artifacts.hand_over(str(plain.socket), "small", "k1", SETTINGS)
-    assert miss.outcome == "miss: this daemon keeps no artifacts"
+    with pytest.raises(artifacts.Unkept, match="this daemon keeps no artifacts"):
+        artifacts.hand_over(str(plain.socket), "small", "k1", SETTINGS)
 
 
 NOBODY_HANDS_OVER = """
