@@ -61,6 +61,7 @@ class Weights(Mapping):
         self.source, self.fingerprint = source, fingerprint
         self.lease: int | None = None     # the daemon's lease id for cache weights
         self.socket: str | None = None    # the daemon that holds the lease
+        self.model: str | None = None     # the name it serves them under
         self.engine: dict = {}            # a vLLM fill's stage, kernel plan and signature (manifest.engine)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -335,7 +336,7 @@ def _use(reply: protocol.Acquired, batches: Iterator[list[int]], want: Fingerpri
     if bad:
         raise ArenaError(f"the daemon's manifest has invalid aliases {bad[:5]}", "evict and refill the model")
     weights = Weights(tensors, aliases, "cache", want)
-    weights.engine = engine
+    weights.engine, weights.model = engine, reply.model
     weights.lease = reply.lease if mode == "zero_copy" else None   # a copy's lease ended at its hand-over
     return weights
 

@@ -528,6 +528,41 @@ def test_vllm_fills_its_own_model_under_the_shipped_unit(box):
         ready(box)
 
 
+def vllm_service(c, tag: str) -> tuple[dict, str]:
+    """tests/vllm_engine.py (vLLM's defaults: torch.compile on) as a systemd service under the
+    sandbox an engine's unit would have: its $HOME read-only, its /tmp private. Its report and log."""
+    args = {"model": "/srv/model", "tp": 1, "load_format": "fast_start", "eager": False, "out": f"/srv/{tag}.json",
+            "extra": {"socket_dir": "/run/fast-start", "fallback": False}}
+    p = c.run("systemd-run", "--wait", "--pipe", "--collect", "--quiet", f"--unit=engine-{tag}",
+              "-p", "ProtectHome=read-only", "-p", "PrivateTmp=yes", "-E", "VLLM_USE_AOT_COMPILE=0",
+              sys.executable, str(REPO / "tests" / "vllm_engine.py"), json.dumps(args), timeout=600)
+    return json.loads(c.run("cat", f"/srv/{tag}.json").stdout), p.stdout + p.stderr
+
+
+def test_an_engine_service_with_a_read_only_home_starts_from_the_artifacts_the_unit_kept(box):
+    """vLLM compiles at its first start as a service whose $HOME it cannot write; fast-start@0 keeps
+    what it compiled (in its StateDirectory=, the engine user's alone) and the next start begins
+    from it, compiling nothing (VLLM_USE_AOT_COMPILE=0: vLLM 0.32's CPU build cannot load its
+    AOT-compiled functions back, test_vllm_artifacts.py)."""
+    if not os.environ.get("CI"):
+        pytest.importorskip("vllm")
+    try:
+        ready(box, config_text(models=LLAMA + VLLM_MODEL))
+        (first, first_log), (second, second_log) = vllm_service(box, "first"), vllm_service(box, "second")
+        assert first["ranks"][0]["source"] == second["ranks"][0]["source"] == "cache"
+        assert first["tokens"] == second["tokens"]
+        assert "the daemon keeps this engine's artifacts" in first_log, first_log[-3000:]
+        assert "vLLM starts from the artifacts the daemon kept" in second_log, second_log[-3000:]
+        assert "vLLM added to the kept artifacts" not in second_log
+        kept = box.run("sh", "-c", "stat -c '%a %U' /var/lib/fast-start/artifacts/gpu0/0 "
+                                   "/var/lib/fast-start/artifacts/gpu0/0/*.tar").stdout.split("\n")
+        assert kept[:2] == ["700 fast-start", "600 fast-start"], kept
+        shown = box.run(FAST_START, "status", "--gpu", "0").stdout
+        assert "llama-vllm: uid 0's kept artifacts: 1 set(s)" in shown and "last engine start: handed over" in shown
+    finally:
+        ready(box)
+
+
 def test_evictions_survive_a_restart_and_fill_refills_without_one(box):
     """Under the shipped unit: the eviction history lives in StateDirectory= across a restart,
     and `fast-start fill` brings an evicted model back while the unit keeps running."""

@@ -13,6 +13,8 @@ and the greedy tokens for fixed prompts. `"engine"`: more of `LLM`'s arguments (
 `draft`). With `"reload": true`, vLLM's `reload_weights` then
 runs and the tokens and the report are taken again (`reloaded`). `"workers": "spawn"`: a
 multi-rank engine's workers spawned, as vLLM's CPU build does (by default they are forked).
+`"eager": false`: torch.compile and
+CUDA graphs on, as vLLM's defaults have them (the tests run eager unless they say so).
 `{"api_server": ARGS}`: `python -m vllm.entrypoints.openai.api_server ARGS` instead, its engine
 core forked, until it is sent SIGTERM.
 
@@ -158,6 +160,9 @@ def main() -> None:
         sys.argv = ["api_server", *args["api_server"]]
         runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
         return
+    if not args.get("eager", True):     # the engine server's interpreter has Dynamo off (engine_server.ENV)
+        os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        torch._dynamo.config.disable = False
     ranks = args["tp"] * args.get("pp", 1)
     if ranks > 1:       # one CPU list per rank; with data parallelism vLLM takes its DP rank's share of them
         ranks *= int(os.environ.get("VLLM_DP_SIZE", "1"))
@@ -165,7 +170,7 @@ def main() -> None:
     llm = LLM(args["model"], load_format=args.get("load_format", "auto"), tensor_parallel_size=args["tp"],
               pipeline_parallel_size=args.get("pp", 1), quantization=args.get("quantization"),
               model_loader_extra_config=args.get("extra") or {}, dtype=args.get("dtype", "bfloat16"),
-              skip_tokenizer_init=True, max_model_len=256, enforce_eager=True, seed=0,
+              skip_tokenizer_init=True, max_model_len=256, enforce_eager=args.get("eager", True), seed=0,
               kv_cache_memory_bytes=KV_CACHE_BYTES, hf_overrides=args.get("hf_overrides") or {}, **args.get("engine", {}))
     params = SamplingParams(temperature=0.0, max_tokens=12, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)

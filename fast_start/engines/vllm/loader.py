@@ -26,8 +26,11 @@
    logs one line naming the reason and loads with vLLM's default loader, or raises with
    `fallback: false`. A model is never half loaded: the default loader builds a new one.
 
+5. on a hit, points vLLM's compile and kernel caches at a folder filled from the artifacts the
+   daemon kept for this engine's settings, and keeps them once the engine has warmed up (`kept.py`).
+
 Options come from `--model-loader-extra-config`: `mode` (zero_copy | copy), `fallback`
-(default true), `socket_dir`, `connect_timeout_s`.
+(default true), `socket_dir`, `connect_timeout_s`, `artifacts` (default true).
 
 A zero_copy engine's weights are the daemon's, mapped read-only; the engine's features that write
 weights are handled before they can fault: sleep mode (which frees and restores the engine's own
@@ -57,7 +60,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from . import attention as vllm_attention, compat, rules as vllm_rules, state as vllm_state
+from . import attention as vllm_attention, compat, kept, rules as vllm_rules, state as vllm_state
 from . import ENGINE
 from .install import prepare
 from .record import FillRecord
@@ -81,6 +84,7 @@ def register() -> None:
         counts_itself = not compat.current().COUNTS_MAPPED_WEIGHTS
         _wrap_runners(count=counts_itself)
         _wrap_startup_check(counts_itself)
+        kept.wrap_warm_up()
         _registered = True
 
 
@@ -282,7 +286,8 @@ def refusal(vllm_config, mode: str) -> str | None:
 
 # Each option's JSON types and how an error message names them.
 OPTION_TYPES = {"mode": ((str,), "a string"), "fallback": ((bool,), "true or false"),
-                "socket_dir": ((str,), "a string"), "connect_timeout_s": ((int, float), "a number")}
+                "socket_dir": ((str,), "a string"), "connect_timeout_s": ((int, float), "a number"),
+                "artifacts": ((bool,), "true or false")}
 
 
 @dataclass(frozen=True)
@@ -291,6 +296,7 @@ class Options:
     fallback: bool = True
     socket_dir: str | None = None
     connect_timeout_s: float = 5.0
+    artifacts: bool = True          # vLLM's compile and kernel caches kept by the daemon (`kept.py`)
 
     @classmethod
     def parse(cls, extra: object) -> Options:
@@ -407,6 +413,8 @@ class FastStartLoader(BaseModelLoader):
                  len(weights), nbytes / 2**20, record.stage, rank, o.mode, fetched,
                  "meta" if on_meta else "the device", built, prepared, cpu, fetched + built + prepared)
         model.fast_start_source = weights.source
+        if o.artifacts:
+            kept.hand_over(weights, vllm_config)
         if o.mode == "zero_copy":       # read by _count_mapped_weights on vLLM < 0.32
             model.fast_start_mapped_bytes = nbytes
         return model.eval()

@@ -1,0 +1,122 @@
+"""What vLLM rebuilds at every start, kept by the daemon with the model's cache (`fast_start.artifacts`).
+
+vLLM keeps its torch.compile cache under `VLLM_CACHE_ROOT` (and, from the compile on, Inductor's
+and Triton's caches inside it), Triton's kernels before that under `TRITON_CACHE_DIR` and
+Inductor's under `TORCHINDUCTOR_CACHE_DIR`, below `$HOME` or `/tmp` by default. On a cache hit
+the loader points all three at a folder of the process's own, filled
+from the set the daemon kept for this engine's key (`hand_over`), before vLLM compiles: a
+sandboxed or containerized engine then starts from kept artifacts although its `$HOME` is
+neither writable nor kept. Once the engine has compiled and warmed up (`Worker.
+compile_or_warm_up_model`, wrapped by `register`), whatever the folder holds that the set did not
+is sent back (`keep_new`). One folder per process: a TP rank's worker is its own process and
+talks to its own GPU's daemon.
+
+The key is what vLLM names its compile cache after, less the traced code, which only another
+vLLM changes: its config hash (`compute_hash`), its compile-relevant environment
+(`envs.compile_factors`), and vLLM's and torch's versions. The settings sent with it spell out
+the engine options that most often differ (`SETTINGS`), so that a miss names them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+
+import torch
+import vllm
+
+from ... import artifacts
+from ...errors import FastStartError
+
+log = logging.getLogger("vllm.fast_start")
+
+# variable -> its folder inside ours. vLLM points Inductor's and Triton's at its compile cache
+# where its own backend compiles; where torch.compile's does (VLLM_USE_AOT_COMPILE=0) they stay here.
+POINTED = {"VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+SETTINGS = {        # vLLM config section -> the fields a miss names where they differ
+    "model_config": ("model", "dtype", "quantization", "max_model_len", "enforce_eager", "revision"),
+    "cache_config": ("block_size", "cache_dtype"),
+    "parallel_config": ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                        "enable_expert_parallel"),
+    "scheduler_config": ("max_num_seqs", "max_num_batched_tokens"),
+    "compilation_config": ("mode", "backend", "cudagraph_mode", "cudagraph_capture_sizes", "compile_sizes",
+                           "custom_ops", "splitting_ops", "use_inductor_graph_partition", "pass_config"),
+}
+_folder: artifacts.Folder | None = None
+
+
+def identity(vllm_config) -> tuple[str, dict[str, str]]:
+    """(key, settings) of this engine's artifacts."""
+    from vllm import envs
+    settings = {"vllm": vllm.__version__, "torch": torch.__version__, "vLLM's config hash": vllm_config.compute_hash()}
+    for section, names in SETTINGS.items():
+        config = getattr(vllm_config, section, None)
+        for name in names:
+            if hasattr(config, name):
+                settings[f"{section.removesuffix('_config')}.{name}"] = str(getattr(config, name))
+    factors = {f"env {k}": str(v) for k, v in sorted(envs.compile_factors().items())}
+    keyed = [settings["vllm"], settings["torch"], settings["vLLM's config hash"], factors]
+    return hashlib.sha256(json.dumps(keyed).encode()).hexdigest(), {**settings, **factors}
+
+
+def hand_over(weights, vllm_config) -> None:
+    """Point this process's vLLM caches at a folder filled from the daemon's set for its key (once:
+    a speculative draft's load finds it done)."""
+    global _folder
+    if _folder is not None or weights.socket is None or weights.model is None:
+        return
+    key, settings = identity(vllm_config)
+    try:
+        _folder = artifacts.hand_over(weights.socket, weights.model, key, settings)
+    except artifacts.Unkept as e:
+        log.info("fast-start: vLLM keeps its own caches: %s", e.what)
+        return
+    for variable, name in POINTED.items():
+        os.environ[variable] = str(_folder.path / name)
+    if _folder.outcome == "hit":
+        log.info("fast-start: vLLM starts from the artifacts the daemon kept for these settings (%d files, "
+                 "%.1f MiB)", len(_folder.listing), sum(s for s, _ in _folder.listing.values()) / 2**20)
+    elif _folder.outcome.startswith("refused"):
+        log.warning("fast-start: the artifacts the daemon kept are %s; vLLM compiles anew", _folder.outcome)
+    else:
+        log.info("fast-start: no artifacts kept for these settings (%s); vLLM compiles anew and the daemon keeps "
+                 "what it makes", _folder.outcome.removeprefix("miss: "))
+
+
+def keep_new() -> None:
+    """Send the daemon what the folder gained since `hand_over` (nothing if the engine started
+    from the kept set without adding to it)."""
+    if _folder is None:
+        return
+    hit = _folder.outcome == "hit"
+    try:
+        sent = _folder.keep()
+    except (FastStartError, OSError) as e:
+        log.warning("fast-start: could not keep this engine's artifacts: %s", getattr(e, "what", e))
+        return
+    if sent and hit:
+        log.warning("fast-start: vLLM added to the kept artifacts although they were made for these settings "
+                    "(it rebuilt some); the daemon keeps the new set (%.1f MiB)", sent / 2**20)
+    elif sent:
+        log.info("fast-start: the daemon keeps this engine's artifacts (%.1f MiB) for its next start", sent / 2**20)
+
+
+def wrap_warm_up() -> None:
+    """Each worker class's `compile_or_warm_up_model` followed by `keep_new`."""
+    import importlib
+    for module, name in (("vllm.v1.worker.gpu_worker", "Worker"), ("vllm.v1.worker.cpu_worker", "CPUWorker")):
+        try:
+            worker = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):      # a build without that worker
+            continue
+        if "compile_or_warm_up_model" in worker.__dict__:
+            worker.compile_or_warm_up_model = _then_keep(worker.compile_or_warm_up_model)
+
+
+def _then_keep(warm_up):
+    def warmed(self, *args, **kwargs):
+        result = warm_up(self, *args, **kwargs)
+        keep_new()
+        return result
+    return warmed

@@ -1,0 +1,54 @@
+"""vLLM (CPU build) at its defaults, torch.compile on, with `$HOME` not writable: the artifacts it
+compiles are kept by the daemon, handed to the next engine, a changed setting misses naming it,
+and a corrupted set is refused and rebuilt; the tokens are the default loader's every time."""
+from __future__ import annotations
+
+import pytest
+
+from vllm_support import checkpoints, engines, run_engine, vllm, work  # noqa: F401  (fixtures)
+from devtools.harness import write_config
+
+pytestmark = pytest.mark.slow      # compiled vLLM engines: minutes in all
+
+# A file, so that nothing can be made under it, even by root (`make test` runs as root in CI).
+UNWRITABLE_HOME = {"HOME": "/dev/null"}
+# vLLM 0.32's CPU build cannot load its own AOT-compiled functions back ("has no attribute
+# 'finalize_loading'") and compiles again; its other cache (Inductor's graphs) it loads.
+COMPILE = {"VLLM_USE_AOT_COMPILE": "0"}
+
+
+def test_compiled_engines_start_from_the_artifacts_the_daemon_kept(tmp_path, checkpoints, daemons):
+    run, state = tmp_path / "run", tmp_path / "state"
+    state.mkdir(mode=0o700)
+    daemons(write_config(tmp_path / "fs.toml", run, [
+        {"name": "llama", "path": str(checkpoints["llama"]), "gpus": [0], "layout": "vllm",
+         "engine_version": vllm.__version__}]), env={"STATE_DIRECTORY": str(state)})
+    reference, _ = run_engine(tmp_path / "default.log", checkpoints["llama"], eager=False,
+                              env={**COMPILE, "VLLM_CACHE_ROOT": str(tmp_path / "default-cache")})
+
+    def engine(tag: str, **more):
+        got, log = run_engine(tmp_path / f"{tag}.log", checkpoints["llama"], load_format="fast_start",
+                              extra={"socket_dir": str(run), "fallback": False}, eager=False,
+                              env={**COMPILE, **UNWRITABLE_HOME}, **more)
+        assert got["tokens"] == reference["tokens"] and got["ranks"][0]["source"] == "cache"
+        return log
+
+    first = engine("first")
+    assert "no artifacts kept for these settings (no artifacts of llama are kept for this user yet)" in first
+    assert "the daemon keeps this engine's artifacts" in first
+    [kept] = state.glob("artifacts/gpu0/*/*.tar")
+
+    second = engine("second")
+    assert "vLLM starts from the artifacts the daemon kept for these settings" in second
+    assert "vLLM added to the kept artifacts" not in second         # it compiled nothing: every graph was there
+
+    other = engine("other", engine={"max_num_seqs": 8})
+    assert "made with other settings:" in other and "scheduler.max_num_seqs: kept 256, now 8" in other
+
+    data = bytearray(kept.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    kept.write_bytes(bytes(data))
+    rebuilt = engine("rebuilt")
+    assert "the artifacts the daemon kept are refused: the archive is not the bytes the daemon kept" in rebuilt
+    assert "the daemon keeps this engine's artifacts" in rebuilt
+    assert "vLLM starts from the artifacts the daemon kept" in engine("after")
