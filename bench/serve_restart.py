@@ -10,9 +10,13 @@ its gpu_memory_utilization) unless `--eager` or `--utilization` say otherwise:
 - `default cold`: vLLM's own loader, every compile cache empty (vLLM's, Inductor's, Triton's: all
   kept under WORK/caches for this run), as a first start on a machine;
 - `default warm`: the same, `--repeat` times, its caches kept;
-- then a daemon (`on_release = "drop"`) fills the model; `zero_copy first`: the first engine with
-  `--load-format fast_start` (apart, were its compile cache keyed by the load format), then
-  `zero_copy warm` and `copy warm` `--repeat` times each, the daemon filled again after each copy.
+- then a daemon (`on_release = "drop"`, a fresh state directory) fills the model; `zero_copy
+  first`: the first engine with `--load-format fast_start`, whose kept artifacts miss (the daemon
+  has none yet: vLLM compiles into fast-start's folder, not the caches above), then `zero_copy
+  warm` and `copy warm` `--repeat` times each, which start from the artifacts the daemon kept, the
+  daemon filled again after each copy. Each run records its kept artifacts' outcome (`artifacts`:
+  hit, "hit, yet rebuilt" (vLLM compiled anew from them), miss, refused or unkept, as the engine's
+  fast-start lines say).
 
 `--api llm` runs the same cases through `LLM()` and one `generate` instead of the server.
 Each run: the wall time from exec to the first answered request, and its phases as the engine's
@@ -150,6 +154,16 @@ def llm(model: Path, engine: dict, env: dict, log: Path, deadline_s: float) -> d
             "answers": json.loads(said[0][1].split(" ", 2)[2]) if said else [], "lines": e.lines}
 
 
+ARTIFACTS = [("hit, yet rebuilt", "vLLM added to the kept artifacts"),     # first: it follows a hit's line
+             ("hit", "vLLM starts from the artifacts the daemon kept"), ("miss", "no artifacts kept for these settings"),
+             ("refused", "the artifacts the daemon kept are refused"), ("unkept", "vLLM keeps its own caches")]
+
+
+def artifacts(lines: list[tuple[float, str]]) -> str:
+    """The kept artifacts' outcome an engine's fast-start line names; "" for vLLM's own loader."""
+    return next((name for name, text in ARTIFACTS if any(text in line for _, line in lines)), "")
+
+
 def phases(lines: list[tuple[float, str]], first: float | None) -> dict[str, float | None]:
     """Seconds per phase (PHASES, then "first request"), by the lines that end each."""
     out, last, i = {}, 0.0, 0
@@ -202,7 +216,8 @@ def summarize(runs: list[dict], title: str) -> dict:
         cases[case] = {"runs_s": [r["first_answer_s"] for r in mine],
                        "first_answer_s": round(statistics.median(r["first_answer_s"] for r in ok), 2) if ok else None,
                        "phases": ok[(len(ok) - 1) // 2]["phases"] if ok else None,
-                       "answers_equal": bool(reference) and all(r["answers"] == reference for r in mine)}
+                       "answers_equal": bool(reference) and all(r["answers"] == reference for r in mine),
+                       "artifacts": [r.get("artifacts", "") for r in mine]}
     return {"title": title, "cases": cases, "runs": runs}
 
 
@@ -217,7 +232,7 @@ def reparsed(out: Path) -> dict:
         if log.exists():
             stamped = (re.match(r"\s*(\d+\.\d{3}) (.*)", ln) for ln in log.read_text(errors="replace").splitlines())
             lines = [(float(m[1]), m[2]) for m in stamped if m]
-            r["phases"] = phases(lines, r["first_answer_s"])
+            r["phases"], r["artifacts"] = phases(lines, r["first_answer_s"]), artifacts(lines)
     summary = summarize(summary["runs"], summary["title"])
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -296,15 +311,21 @@ def main() -> None:
     def run(case: str, i: int, loader: dict | None = None) -> None:
         log = args.out / f"{case.replace(' ', '-')}-{i}.log"
         r = start_one(args, model, env, log, loader)
-        r.update(case=case, log=log.name, phases=phases(r.pop("lines"), r["first_answer_s"]))
+        lines = r.pop("lines")
+        r.update(case=case, log=log.name, phases=phases(lines, r["first_answer_s"]), artifacts=artifacts(lines))
         runs.append(r)
-        print(f"{case} {i}: {r['first_answer_s']} s, rc {r['rc']}, {r['phases']}", flush=True)
+        print(f"{case} {i}: {r['first_answer_s']} s, rc {r['rc']}, artifacts {r['artifacts'] or '-'}, {r['phases']}",
+              flush=True)
         (args.out / "summary.json").write_text(json.dumps(summarize(runs, title), indent=1))
 
     run("default cold", 0)
     for i in range(args.repeat):
         run("default warm", i)
     if not args.default_only:
+        state = WORK / "state"          # the unit's StateDirectory=: where the daemon keeps engines' artifacts
+        shutil.rmtree(state, ignore_errors=True)
+        state.mkdir(mode=0o700)
+        os.environ["STATE_DIRECTORY"] = str(state)
         d = Daemon("serve-restart", [model_entry("m", model)], device=device, on_release="drop")
         try:
             if d.wait_ready() is None:

@@ -3,7 +3,7 @@ at the first line after the previous phase's end that says so; a phase the engin
 (no torch.compile when eager) is skipped and its time falls to the next."""
 from __future__ import annotations
 
-from bench.serve_restart import PHASES, phases
+from bench.serve_restart import PHASES, artifacts, phases
 
 # vLLM 0.26's lines, as `vllm serve` of a compiled engine wrote them, stamped since exec.
 SERVED = [(16.3, "(APIServer pid=1) INFO 12-06 08:52:38 [api_utils.py:345] version 0.26.0"),
@@ -32,3 +32,13 @@ def test_a_phase_not_logged_is_skipped_and_its_time_counted_in_the_next():
     assert got["torch.compile"] is None and got["CUDA graphs"] is None
     assert got["profile, KV cache"] == 6.0 and got["warm-up"] == 6.7
     assert phases(SERVED[:3], None)["first request"] is None      # never answered
+
+
+def test_each_run_names_its_kept_artifacts_outcome_by_the_loaders_line():
+    line = "(EngineCore pid=2) INFO [kept.py:74] fast-start: vLLM starts from the artifacts the daemon kept for these settings"
+    assert artifacts(SERVED[:3] + [(35.0, line)] + SERVED[3:]) == "hit"
+    missed = "fast-start: no artifacts kept for these settings (no artifacts of m are kept for this user yet)"
+    assert artifacts([(35.0, missed)]) == "miss"
+    assert artifacts(SERVED) == ""                                  # vLLM's own loader says nothing
+    rebuilt = "fast-start: vLLM added to the kept artifacts although they were made for these settings"
+    assert artifacts([(35.0, line), (50.0, rebuilt)]) == "hit, yet rebuilt"
