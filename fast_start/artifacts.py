@@ -17,7 +17,7 @@ import atexit
 import hashlib
 import os
 import shutil
-import socket
+import stat
 import tarfile
 import tempfile
 from pathlib import Path
@@ -26,6 +26,7 @@ from . import protocol, transport
 from .errors import FastStartError
 
 CHUNK = 1 << 20
+PREFIX = "fast-start-artifacts-"        # then the process's pid
 
 
 class Folder:
@@ -34,7 +35,8 @@ class Folder:
 
     def __init__(self, socket_path: str, model: str, key: str, settings: dict[str, str]):
         self.socket, self.model, self.key, self.settings = socket_path, model, key, settings
-        self.path = Path(tempfile.mkdtemp(prefix="fast-start-artifacts-"))
+        _sweep()
+        self.path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
         atexit.register(shutil.rmtree, self.path, True)
         self.outcome, self.listing = "", {}
 
@@ -88,6 +90,21 @@ def hand_over(socket_path: str, model: str, key: str, settings: dict[str, str], 
         folder.outcome = "hit"
     folder.listing = _listing(folder.path)
     return folder
+
+
+def _sweep() -> None:
+    """Remove this user's folders of processes that are gone (killed before their exit could)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
+        try:
+            pid = int(path.name[len(PREFIX):].split("-", 1)[0])
+            st = os.lstat(path)
+            if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode):
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (ValueError, OSError):      # not ours to judge: another pid's, or its owner's
+            continue
 
 
 def _listing(root: Path) -> dict[str, tuple[int, int]]:

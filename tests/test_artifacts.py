@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pwd
+import shutil
 import socket
 import subprocess
 import sys
@@ -193,3 +194,18 @@ def test_status_says_which_sets_are_kept_and_why_the_last_start_missed(daemon):
     assert line.startswith(f"GPU 0 small: uid {os.geteuid()}'s kept artifacts: 1 set(s), ") and \
         "last engine start: missed (the artifacts kept of small were made with other settings: vllm: kept 0.26.0, " \
         "now 0.27.0)" in line, line
+
+
+def test_folders_of_engines_killed_before_their_exit_are_removed_by_the_next(daemon):
+    d = daemon()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    import tempfile
+    dead = Path(tempfile.mkdtemp(prefix=f"{artifacts.PREFIX}{gone.pid}-"))
+    (dead / "vllm").mkdir()
+    alive = Path(tempfile.mkdtemp(prefix=f"{artifacts.PREFIX}{os.getppid()}-"))
+    try:
+        folder = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
+        assert not dead.exists() and alive.is_dir() and folder.path.is_dir()
+    finally:
+        shutil.rmtree(alive, ignore_errors=True)
