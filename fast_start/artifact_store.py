@@ -144,7 +144,7 @@ class Artifacts:
         rows: dict[tuple[int, str], list] = {}
         with self.lock:
             uids = [uid] if uid is not None else sorted(
-                {int(p.name) for p in self.root.iterdir() if p.name.isdigit()} if self.root else set())
+                int(p.name) for p in self.root.glob("*") if p.name.isdigit()) if self.root else []
             for each in uids:
                 for s in self._sets(each):
                     row = rows.setdefault((each, s["model"]), [0, 0])

@@ -209,3 +209,9 @@ def test_folders_of_engines_killed_before_their_exit_are_removed_by_the_next(dae
         assert not dead.exists() and alive.is_dir() and folder.path.is_dir()
     finally:
         shutil.rmtree(alive, ignore_errors=True)
+
+
+def test_status_of_a_daemon_that_kept_nothing_yet_lists_no_sets(daemon):
+    d = daemon()
+    body = request(connect(d.socket, 5), protocol.Status()).body
+    assert body["state"] == "ready" and body["artifacts"] == []

@@ -142,7 +142,7 @@ def box(tmp_path_factory, llama):
     env.open_to_others(c)
     c.run("systemd-sysusers")
     c.run("systemctl", "daemon-reload")
-    c.tmp, c.model, c.moe, c.config = tmp, model, moe, config
+    c.tmp, c.model, c.moe, c.config, c.run_env = tmp, model, moe, config, env
     spec = fast_start.WeightSpec(str(model), tensor_parallel_size=2, rank=0, engine_version="test")
     c.want = sums(fast_start.fetch(spec, socket_dir="/nonexistent"))
     yield c
@@ -533,7 +533,8 @@ def vllm_service(c, tag: str) -> tuple[dict, str]:
     sandbox an engine's unit would have: its $HOME read-only, its /tmp private. Its report and log."""
     args = {"model": "/srv/model", "tp": 1, "load_format": "fast_start", "eager": False, "out": f"/srv/{tag}.json",
             "extra": {"socket_dir": "/run/fast-start", "fallback": False}}
-    p = c.run("systemd-run", "--wait", "--pipe", "--collect", "--quiet", f"--unit=engine-{tag}",
+    binds = ["-p", c.run_env.service_dropin.strip()] if c.run_env.service_dropin else []    # a checkout under /tmp
+    p = c.run("systemd-run", "--wait", "--pipe", "--collect", "--quiet", f"--unit=engine-{tag}", *binds,
               "-p", "ProtectHome=read-only", "-p", "PrivateTmp=yes", "-E", "VLLM_USE_AOT_COMPILE=0",
               sys.executable, str(REPO / "tests" / "vllm_engine.py"), json.dumps(args), timeout=600)
     return json.loads(c.run("cat", f"/srv/{tag}.json").stdout), p.stdout + p.stderr
