@@ -64,6 +64,9 @@ class Artifacts:
         self.last: dict[tuple[int, str], tuple[str, str, float]] = {}     # (uid, model) -> its last event, why, when
         for part in root.glob("*/.*.part") if root else ():     # uploads a stop broke off
             part.unlink()
+        for tar in root.glob("*/*.tar") if root else ():        # kept, but stopped before its record was
+            if not tar.with_suffix(".json").exists():
+                tar.unlink()
 
     def handle(self, msg, peer: Peer, upload: Upload | None = None):
         """An `Artifacts` or `Keep` request -> (reply, fds, done(sent))."""
@@ -88,7 +91,9 @@ class Artifacts:
             kept = next((s for s in sets if s["key"] == msg.key), None)
             fd = self._open(peer.uid, kept) if kept else None
         if fd is None:
-            miss = _miss(msg, max(sets, key=lambda s: s["used_at"], default=None))
+            miss = protocol.Miss(f"the artifacts kept of {msg.model} for these settings were damaged and dropped "
+                                 "(see the daemon's log)", [], msg.model) if kept else \
+                _miss(msg, max(sets, key=lambda s: s["used_at"], default=None))
             self._note(peer, msg.model, "miss", miss.reason)
             return miss, [], _nothing
         self._note(peer, msg.model, "hit")

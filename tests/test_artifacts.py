@@ -95,6 +95,20 @@ def test_a_corrupted_set_is_refused_rebuilt_and_kept_anew(daemon):
     assert contents(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)) == COMPILED
 
 
+def test_a_set_whose_archive_is_gone_or_cut_is_dropped_and_the_miss_says_so(daemon):
+    d = daemon()
+    built(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS), COMPILED).keep()
+    built(artifacts.hand_over(str(d.socket), "small", "k2", SETTINGS), COMPILED).keep()
+    first, second = sorted(daemon.state.glob("artifacts/gpu0/*/*.tar"))
+    first.unlink()
+    os.truncate(second, 100)
+    for key in ("k1", "k2"):
+        assert artifacts.hand_over(str(d.socket), "small", key, SETTINGS).outcome == \
+            "miss: the artifacts kept of small for these settings were damaged and dropped (see the daemon's log)"
+    assert list(daemon.state.glob("artifacts/gpu0/*/*")) == []
+    assert d.log.read_text().count("dropped uid") == 2
+
+
 def test_an_archive_reaching_outside_its_folder_is_refused(daemon, tmp_path):
     d = daemon()
     buf = io.BytesIO()
@@ -150,8 +164,13 @@ def test_sets_survive_the_daemon_and_one_without_a_state_directory_keeps_none(da
     d = daemon()
     built(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS), COMPILED).keep()
     d.stop()
+    [user] = daemon.state.glob("artifacts/gpu0/*")
+    broken_off = [user / ".upload.part", user / "renamed-then-stopped.tar"]     # a stop mid-Keep leaves these
+    for path in broken_off:
+        path.write_bytes(b"x" * 100)
     d = daemon()
     assert contents(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)) == COMPILED
+    assert not any(p.exists() for p in broken_off)
     d.stop()
     cfg = write_config(tmp_path / "plain.toml", tmp_path / "run2", [
         {"name": "small", "path": str(tmp_path / "small"), "gpus": [0], "engine_version": "test"}])
