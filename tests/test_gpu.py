@@ -310,13 +310,15 @@ def test_detach_makes_the_maps_the_engines_own_at_the_same_addresses(tmp_path, l
     assert detach(w.values()) == 0             # nothing left to detach
 
 
-def vllm_engine(out: Path, model_path: Path, **args) -> tuple[int, dict, str]:
-    """One vLLM engine (bench/vllm_cuda_engine.py) in a fresh process: exit status, report, log."""
+def vllm_engine(out: Path, model_path: Path, env: dict | None = None, **args) -> tuple[int, dict, str]:
+    """One vLLM engine (bench/vllm_cuda_engine.py) in a fresh process, `env` added to ours: exit
+    status, report, log."""
     log = out.with_suffix(".log")
     with open(log, "w") as f:
         rc = subprocess.run([sys.executable, "-m", "bench.vllm_cuda_engine",
                              json.dumps({"model": str(model_path), "out": str(out), **args})],
-                            stdout=f, stderr=subprocess.STDOUT, timeout=600, cwd=Path(__file__).parent.parent).returncode
+                            stdout=f, stderr=subprocess.STDOUT, timeout=600, cwd=Path(__file__).parent.parent,
+                            env={**os.environ, **(env or {})}).returncode
     return rc, json.loads(out.read_text()) if out.exists() else {}, log.read_text(errors="replace")
 
 
@@ -345,6 +347,33 @@ def test_vllm_sleep_mode_and_reload_weights_end_with_the_default_loaders_weights
                              gpu_memory_utilization=0.9, extra={**options, "mode": "zero_copy"})
     assert rc != 0 and "fast-start: enable_sleep_mode frees and restores the engine's own weight memory" in log, \
         log[-4000:]
+
+
+def test_a_compiled_engine_whose_home_is_read_only_starts_from_the_artifacts_the_daemon_kept(tmp_path, daemons):
+    """vLLM's defaults (torch.compile, CUDA graphs, 0.9) with $HOME not writable: the first
+    zero_copy engine compiles and the daemon keeps what it built; the second starts from it and
+    compiles nothing; both give the default loader's tokens."""
+    vllm = pytest.importorskip("vllm")
+    from bench.vllm_cuda import DENSE
+    path = synth.write_checkpoint(tmp_path / "qwen3", DENSE, seed=7)
+    models = [{"name": "qwen3", "path": str(path), "gpus": [0], "layout": "vllm", "engine_version": vllm.__version__}]
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    daemons(cuda_config(tmp_path, models, worker_python=sys.executable), env={"STATE_DIRECTORY": str(state)},
+            wait=False).wait_ready(600)
+    compiled = {"enforce_eager": False, "gpu_memory_utilization": 0.9}
+    rc, want, log = vllm_engine(tmp_path / "default.json", path, engine=compiled,
+                                env={"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")})
+    assert rc == 0, log[-4000:]
+    logs = {}
+    for tag in ("first", "second"):
+        rc, got, logs[tag] = vllm_engine(tmp_path / f"{tag}.json", path, load_format="fast_start", engine=compiled,
+                                         extra={"socket_dir": str(tmp_path / "run"), "fallback": False},
+                                         env={"HOME": "/dev/null"})
+        assert rc == 0 and got["source"] == "cache" and got["tokens"] == want["tokens"], (tag, logs[tag][-4000:])
+    assert "the daemon keeps this engine's artifacts" in logs["first"], logs["first"][-4000:]
+    assert "vLLM starts from the artifacts the daemon kept" in logs["second"], logs["second"][-4000:]
+    assert "vLLM added to the kept artifacts" not in logs["second"], logs["second"][-4000:]
 
 
 def test_a_second_daemon_for_the_gpu_from_another_config_fails_at_once(tmp_path, daemons):
