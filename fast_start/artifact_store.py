@@ -146,10 +146,11 @@ class Artifacts:
 
     def report(self, uid: int | None) -> list[reports.KeptSets]:
         """`uid`'s kept sets by model, with the last start's outcome; every user's with None."""
+        if self.root is None:
+            return []
         rows: dict[tuple[int, str], list] = {}
         with self.lock:
-            uids = [uid] if uid is not None else sorted(
-                int(p.name) for p in self.root.glob("*") if p.name.isdigit()) if self.root else []
+            uids = [uid] if uid is not None else sorted(int(p.name) for p in self.root.glob("*") if p.name.isdigit())
             for each in uids:
                 for s in self._sets(each):
                     row = rows.setdefault((each, s["model"]), [0, 0])

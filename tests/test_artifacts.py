@@ -230,7 +230,32 @@ def test_folders_of_engines_killed_before_their_exit_are_removed_by_the_next(dae
         shutil.rmtree(alive, ignore_errors=True)
 
 
-def test_status_of_a_daemon_that_kept_nothing_yet_lists_no_sets(daemon):
+def test_status_of_a_daemon_that_kept_nothing_yet_lists_no_sets(daemon, daemons, tmp_path, open_dir):
     d = daemon()
     body = request(connect(d.socket, 5), protocol.Status()).body
     assert body["state"] == "ready" and body["artifacts"] == []
+    d.stop()
+    cfg = write_config(tmp_path / "plain.toml", open_dir / "run", [
+        {"name": "small", "path": str(tmp_path / "small"), "gpus": [0], "engine_version": "test"}],
+        allowed_uids=[NOBODY])
+    plain = daemons(cfg, env={"STATE_DIRECTORY": ""})
+    assert as_nobody_status(plain.socket) == []         # an engine user's status, where nothing can be kept
+
+
+NOBODY = pwd.getpwnam("nobody").pw_uid
+STATUS_AS_NOBODY = """
+import json, os, sys
+from fast_start import protocol
+from fast_start.transport import connect, request
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+print(json.dumps(request(connect(sys.argv[1], 5), protocol.Status()).body["artifacts"]))
+"""
+
+
+def as_nobody_status(sock: Path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another uid")
+    out = subprocess.run([sys.executable, "-c", STATUS_AS_NOBODY, str(sock)], capture_output=True, text=True,
+                         env=ENV, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
