@@ -52,3 +52,27 @@ def test_compiled_engines_start_from_the_artifacts_the_daemon_kept(tmp_path, che
     assert "the artifacts the daemon kept are refused: the archive is not the bytes the daemon kept" in rebuilt
     assert "the daemon keeps this engine's artifacts" in rebuilt
     assert "vLLM starts from the artifacts the daemon kept" in engine("after")
+
+
+def test_each_tp_rank_keeps_its_artifacts_with_its_own_gpus_daemon(tmp_path, checkpoints, daemons):
+    """TP 2: each rank's worker process has its own folder and talks to its own GPU's daemon."""
+    run, state = tmp_path / "run", tmp_path / "state"
+    state.mkdir(mode=0o700)
+    config = write_config(tmp_path / "fs.toml", run, [
+        {"name": "llama", "path": str(checkpoints["llama"]), "gpus": [0, 1], "tensor_parallel_size": 2,
+         "layout": "vllm", "engine_version": vllm.__version__}])
+    for gpu in (0, 1):
+        daemons(config, gpu, env={"STATE_DIRECTORY": str(state)})
+    reference, _ = run_engine(tmp_path / "default.log", checkpoints["llama"], tp=2, eager=False,
+                              env={**COMPILE, "VLLM_CACHE_ROOT": str(tmp_path / "default-cache")})
+    logs = []
+    for tag in ("first", "second"):
+        got, log = run_engine(tmp_path / f"{tag}.log", checkpoints["llama"], tp=2, load_format="fast_start",
+                              extra={"socket_dir": str(run), "fallback": False}, eager=False,
+                              env={**COMPILE, **UNWRITABLE_HOME})
+        assert got["tokens"] == reference["tokens"] and {r["source"] for r in got["ranks"]} == {"cache"}
+        logs.append(log)
+    assert logs[0].count("the daemon keeps this engine's artifacts") == 2
+    assert logs[1].count("vLLM starts from the artifacts the daemon kept") == 2
+    assert "vLLM added to the kept artifacts" not in logs[1]
+    assert sorted(p.parent.parent.name for p in state.glob("artifacts/*/*/*.tar")) == ["gpu0", "gpu1"]
