@@ -72,12 +72,12 @@ def hand_over(socket_path: str, model: str, key: str, settings: dict[str, str], 
             reply, fds = transport.request(conn, protocol.Artifacts(model, key, settings), with_fds=True)
     except (FastStartError, OSError) as e:       # a daemon of an earlier version does not know the request
         raise Unkept(f"the daemon cannot be asked for artifacts: {getattr(e, 'what', e)}", "") from None
+    if isinstance(reply, protocol.Miss) and protocol.UNKEPT in reply.fields:
+        raise Unkept(reply.reason, reply.fix)
     folder = Folder(socket_path, model, key, settings)
-    if isinstance(reply, protocol.Miss) or not isinstance(reply, protocol.KeptArtifacts) or len(fds) != 1:
+    if not isinstance(reply, protocol.KeptArtifacts) or len(fds) != 1:
         for fd in fds:
             os.close(fd)
-        if isinstance(reply, protocol.Miss) and protocol.UNKEPT in reply.fields:
-            raise Unkept(reply.reason, reply.fix)
         folder.outcome = f"miss: {getattr(reply, 'reason', f'the daemon answered {reply.kind}')}"
         return folder
     with open(fds[0], "rb") as f:

@@ -103,15 +103,17 @@ def keep_new() -> None:
 
 
 def wrap_warm_up() -> None:
-    """Each worker class's `compile_or_warm_up_model` followed by `keep_new`."""
+    """The platform's worker's `compile_or_warm_up_model` followed by `keep_new` (only this
+    platform's worker module is imported: the CPU one sets up shared memory as it loads)."""
     import importlib
-    for module, name in (("vllm.v1.worker.gpu_worker", "Worker"), ("vllm.v1.worker.cpu_worker", "CPUWorker")):
-        try:
-            worker = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):      # a build without that worker
-            continue
-        if "compile_or_warm_up_model" in worker.__dict__:
-            worker.compile_or_warm_up_model = _then_keep(worker.compile_or_warm_up_model)
+    from vllm.platforms import current_platform
+    module, name = (("vllm.v1.worker.cpu_worker", "CPUWorker") if current_platform.is_cpu()
+                    else ("vllm.v1.worker.gpu_worker", "Worker"))
+    try:
+        worker = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):      # a build without that worker
+        return
+    worker.compile_or_warm_up_model = _then_keep(worker.compile_or_warm_up_model)
 
 
 def _then_keep(warm_up):
