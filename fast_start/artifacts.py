@@ -74,7 +74,13 @@ def hand_over(socket_path: str, model: str, key: str, settings: dict[str, str], 
         raise Unkept(f"the daemon cannot be asked for artifacts: {getattr(e, 'what', e)}", "") from None
     if isinstance(reply, protocol.Miss) and protocol.UNKEPT in reply.fields:
         raise Unkept(reply.reason, reply.fix)
-    folder = Folder(socket_path, model, key, settings)
+    try:
+        folder = Folder(socket_path, model, key, settings)
+    except OSError as e:
+        for fd in fds:
+            os.close(fd)
+        raise Unkept(f"no folder for the artifacts can be made in {tempfile.gettempdir()}: {e}",
+                     "give the engine a writable TMPDIR") from None
     if not isinstance(reply, protocol.KeptArtifacts) or len(fds) != 1:
         for fd in fds:
             os.close(fd)

@@ -259,3 +259,10 @@ def as_nobody_status(sock: Path):
                          env=ENV, timeout=60, cwd="/")
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
+
+
+def test_an_engine_without_a_writable_temp_folder_keeps_its_own_caches(daemon, monkeypatch, tmp_path):
+    d = daemon()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "gone"))
+    with pytest.raises(artifacts.Unkept, match="no folder for the artifacts can be made in .*gone"):
+        artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)

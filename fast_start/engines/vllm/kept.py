@@ -66,7 +66,11 @@ def hand_over(weights, vllm_config) -> None:
     global _folder
     if _folder is not None or weights.socket is None or weights.model is None:
         return
-    key, settings = identity(vllm_config)
+    try:
+        key, settings = identity(vllm_config)
+    except AttributeError as e:     # a vLLM without compute_hash or compile_factors: nothing to key by
+        log.info("fast-start: vLLM keeps its own caches: this vLLM does not name its compile factors (%s)", e)
+        return
     try:
         _folder = artifacts.hand_over(weights.socket, weights.model, key, settings)
     except artifacts.Unkept as e:
