@@ -52,10 +52,9 @@ class Folder:
                 protocol.send(conn, protocol.Keep(self.model, self.key, self.settings, size, digest))
                 conn.sendfile(archive)
                 reply, _ = protocol.recv(conn, accept_fds=False)
-        if isinstance(reply, protocol.Error):
-            raise FastStartError(f"the daemon did not keep the artifacts: {reply.what}", reply.fix)
-        if isinstance(reply, protocol.Miss):
-            raise FastStartError(f"the daemon did not keep the artifacts: {reply.reason}", reply.fix)
+        if isinstance(reply, (protocol.Error, protocol.Miss)):
+            why = reply.what if isinstance(reply, protocol.Error) else reply.reason
+            raise FastStartError(f"the daemon did not keep the artifacts: {why}", reply.fix)
         self.listing = now
         return size
 
@@ -72,21 +71,22 @@ def hand_over(socket_path: str, model: str, key: str, settings: dict[str, str], 
             reply, fds = transport.request(conn, protocol.Artifacts(model, key, settings), with_fds=True)
     except (FastStartError, OSError) as e:       # a daemon of an earlier version does not know the request
         raise Unkept(f"the daemon cannot be asked for artifacts: {getattr(e, 'what', e)}", "") from None
+    kept = fds.pop() if isinstance(reply, protocol.KeptArtifacts) and len(fds) == 1 else None
+    for fd in fds:          # whatever else came: nothing to use
+        os.close(fd)
     if isinstance(reply, protocol.Miss) and protocol.UNKEPT in reply.fields:
         raise Unkept(reply.reason, reply.fix)
     try:
         folder = Folder(socket_path, model, key, settings)
     except OSError as e:
-        for fd in fds:
-            os.close(fd)
+        if kept is not None:
+            os.close(kept)
         raise Unkept(f"no folder for the artifacts can be made in {tempfile.gettempdir()}: {e}",
                      "give the engine a writable TMPDIR") from None
-    if not isinstance(reply, protocol.KeptArtifacts) or len(fds) != 1:
-        for fd in fds:
-            os.close(fd)
+    if kept is None:
         folder.outcome = f"miss: {getattr(reply, 'reason', f'the daemon answered {reply.kind}')}"
         return folder
-    with open(fds[0], "rb") as f:
+    with open(kept, "rb") as f:
         why = _unpack(f, reply.sha256, folder.path)
     if why:
         shutil.rmtree(folder.path, ignore_errors=True)
