@@ -1,32 +1,37 @@
 """The engine's side of kept artifacts (the daemon's side: `artifact_store.py`).
 
 An engine points the caches it rebuilds at every start (vLLM's torch.compile cache, Triton's
-kernels) at a folder of its own (`Folder`), made fresh for the process and removed when it
-exits: a sandboxed or containerized engine's `$HOME` may be neither writable nor kept, and this
-folder needs neither. `hand_over` fills it from the set the daemon kept for the engine's key,
-checking the archive's SHA-256 as it unpacks; a set that fails the check or holds anything but
-folders and regular files under relative names is refused, and the folder left empty, so the
-engine rebuilds. Once the engine has started, `Folder.keep` sends the folder back if it holds
-anything the set did not: the first start of a key, or a rebuild after a refusal.
+kernels) at a folder of its user's under the temp dir (`Folder`): a sandboxed or containerized
+engine's `$HOME` may be neither writable nor kept, and this folder needs neither. Its path is the
+same at every start of the engine (same user, daemon socket, model and key), because vLLM's
+compile cache names its files by absolute path. `hand_over` fills it from the set the daemon kept
+for the engine's key, checking the archive's SHA-256 as it unpacks; a set that fails the check or
+holds anything but folders and regular files under relative names is refused, and the folder
+left empty, so the engine rebuilds. A folder that already holds the daemon's set, every file of it
+whole, is used as it is (`.set` beside it records the set). Once the engine has started,
+`Folder.keep` sends the folder back if it holds anything the set did not: the first start of a
+key, or a rebuild after a refusal.
 
 Stdlib only: the engine's plugin calls it with torch loaded, but nothing here needs it.
 """
 from __future__ import annotations
 
-import atexit
+import fcntl
 import hashlib
+import json
 import os
 import shutil
 import stat
 import tarfile
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from . import protocol, transport
 from .errors import FastStartError
 
 CHUNK = 1 << 20
-PREFIX = "fast-start-artifacts-"        # then the process's pid
+PREFIX = "fast-start-artifacts-"        # then the user's uid: the folder of that user's folders
 
 
 class Folder:
@@ -35,10 +40,41 @@ class Folder:
 
     def __init__(self, socket_path: str, model: str, key: str, settings: dict[str, str]):
         self.socket, self.model, self.key, self.settings = socket_path, model, key, settings
-        _sweep()
-        self.path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
-        atexit.register(shutil.rmtree, self.path, True)
+        name = hashlib.sha256("\0".join((socket_path, model, key)).encode()).hexdigest()[:32]
+        root = users_folder()
+        self.path, self.record = root / name, root / f"{name}.set"
         self.outcome, self.listing = "", {}
+
+    @contextmanager
+    def locked(self):
+        """This folder to itself: two engines of one key (a standby, a restart racing a stop) fill it in turn."""
+        fd = os.open(f"{self.record}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def holds(self, sha256: str) -> bool:
+        """Whether the folder holds the set `sha256`, every file of it at its size."""
+        try:
+            kept = json.loads(self.record.read_text())
+            return kept["sha256"] == sha256 and all(
+                os.lstat(self.path / name).st_size == size for name, size in kept["files"].items())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
+
+    def remember(self, sha256: str) -> None:
+        """Record that the folder holds the set `sha256` (its files as they are now)."""
+        files = {name: size for name, (size, _) in _listing(self.path).items()}
+        partial = self.record.with_suffix(".part")
+        partial.write_text(json.dumps({"sha256": sha256, "files": files}))
+        partial.replace(self.record)
+
+    def clear(self) -> None:
+        self.record.unlink(missing_ok=True)
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.path.mkdir(mode=0o700)
 
     def keep(self, timeout: float = 30.0) -> int:
         """Send the folder to the daemon if it holds anything new: the bytes sent (0: nothing new)."""
@@ -55,8 +91,24 @@ class Folder:
         if isinstance(reply, (protocol.Error, protocol.Miss)):
             why = reply.what if isinstance(reply, protocol.Error) else reply.reason
             raise FastStartError(f"the daemon did not keep the artifacts: {why}", reply.fix)
+        with self.locked():
+            self.remember(digest)
         self.listing = now
         return size
+
+
+def users_folder() -> Path:
+    """This user's folder of artifact folders in the temp dir, made if missing; refused (OSError)
+    where it is not a folder of this user's closed to others (another user made the name first)."""
+    root = Path(tempfile.gettempdir()) / f"{PREFIX}{os.geteuid()}"
+    try:
+        root.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise OSError(f"{root} is not a folder of this user's closed to others; remove it")
+    return root
 
 
 class Unkept(FastStartError):
@@ -78,39 +130,34 @@ def hand_over(socket_path: str, model: str, key: str, settings: dict[str, str], 
         raise Unkept(reply.reason, reply.fix)
     try:
         folder = Folder(socket_path, model, key, settings)
+        with folder.locked():
+            fill(folder, reply, kept)
     except OSError as e:
-        if kept is not None:
-            os.close(kept)
         raise Unkept(f"no folder for the artifacts can be made in {tempfile.gettempdir()}: {e}",
                      "give the engine a writable TMPDIR") from None
-    if kept is None:
-        folder.outcome = f"miss: {getattr(reply, 'reason', f'the daemon answered {reply.kind}')}"
-        return folder
-    with open(kept, "rb") as f:
-        why = _unpack(f, reply.sha256, folder.path)
-    if why:
-        shutil.rmtree(folder.path, ignore_errors=True)
-        folder.path.mkdir(mode=0o700)
-        folder.outcome = f"refused: {why}"
-    else:
-        folder.outcome = "hit"
-    folder.listing = _listing(folder.path)
+    finally:
+        if kept is not None:
+            os.close(kept)
     return folder
 
 
-def _sweep() -> None:
-    """Remove this user's folders of processes that are gone (killed before their exit could)."""
-    for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
-        try:
-            pid = int(path.name[len(PREFIX):].split("-", 1)[0])
-            st = os.lstat(path)
-            if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode):
-                continue
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except (ValueError, OSError):      # not ours to judge: another pid's, or its owner's
-            continue
+def fill(folder: Folder, reply, kept: int | None) -> None:
+    """Fill the (locked) folder from the set `kept` (an fd) unless it holds it already, and say how."""
+    if kept is None:        # the daemon keeps none: whatever the folder holds is sent once the engine started
+        folder.path.mkdir(mode=0o700, exist_ok=True)
+        folder.outcome = f"miss: {getattr(reply, 'reason', f'the daemon answered {reply.kind}')}"
+        return
+    if not folder.holds(reply.sha256):
+        folder.clear()
+        with open(kept, "rb", closefd=False) as f:
+            why = _unpack(f, reply.sha256, folder.path)
+        if why:
+            folder.clear()
+            folder.outcome = f"refused: {why}"
+            return
+        folder.remember(reply.sha256)
+    folder.outcome = "hit"
+    folder.listing = _listing(folder.path)
 
 
 def _listing(root: Path) -> dict[str, tuple[int, int]]:

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,21 @@ def contents(folder: artifacts.Folder) -> dict[str, bytes]:
     return {name: (folder.path / name).read_bytes() for name in folder.listing}
 
 
+@pytest.fixture(autouse=True)
+def temp_dir(monkeypatch):
+    """The engine's temp dir, where its artifact folders are: this test's own (others may traverse it)."""
+    folder = tempfile.mkdtemp(prefix="fast-start-test-tmp-")
+    os.chmod(folder, 0o711)
+    monkeypatch.setattr(tempfile, "tempdir", folder)
+    yield
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def rebooted() -> None:
+    """The temp dir emptied (a reboot, another machine): the engine's folders are gone."""
+    shutil.rmtree(artifacts.users_folder())
+
+
 COMPILED = {"vllm/torch_compile_cache/ab12/rank_0_0/backbone/model.py": b"graph" * 1000,
             "triton/XYZ/kernel.cubin": os.urandom(4096)}
 
@@ -65,8 +81,33 @@ def test_a_set_kept_after_a_first_start_is_handed_to_the_next_start_and_not_sent
     assert "kept uid" in d.log.read_text()
     second = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
     assert second.outcome == "hit" and contents(second) == COMPILED
-    assert second.path != first.path and second.keep() == 0         # nothing new: nothing sent
+    assert second.path == first.path and second.keep() == 0         # nothing new: nothing sent
     assert d.log.read_text().count("handed uid") == 1
+    rebooted()
+    third = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
+    assert third.outcome == "hit" and contents(third) == COMPILED and third.path == first.path
+
+
+def test_the_folder_is_the_same_at_every_start_and_filled_again_where_a_file_went(daemon):
+    """vLLM's compile cache names its files by absolute path: each start of a key finds the set
+    at the path it was made in. A file removed underneath (a temp cleaner) is brought back."""
+    d = daemon()
+    first = built(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS), COMPILED)
+    first.keep()
+    (first.path / "triton/XYZ/kernel.cubin").unlink()
+    again = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
+    assert again.path == first.path and again.outcome == "hit" and contents(again) == COMPILED
+    other_key = artifacts.hand_over(str(d.socket), "small", "k2", SETTINGS)
+    assert other_key.path != first.path and not any(other_key.path.iterdir())
+
+
+def test_a_folder_of_its_name_made_by_another_user_is_not_used(daemon):
+    d = daemon()
+    taken = Path(tempfile.gettempdir()) / f"{artifacts.PREFIX}{os.geteuid()}"
+    taken.mkdir(mode=0o777)
+    taken.chmod(0o777)          # as another user's would be: open to others
+    with pytest.raises(artifacts.Unkept, match=f"{taken} is not a folder of this user's closed to others; remove it"):
+        artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
 
 
 def test_another_setting_is_a_miss_that_names_it_and_both_sets_stay_kept(daemon):
@@ -88,10 +129,12 @@ def test_a_corrupted_set_is_refused_rebuilt_and_kept_anew(daemon):
     data = bytearray(tar.read_bytes())
     data[len(data) // 3] ^= 0xFF                   # a flipped bit on the daemon's disk
     tar.write_bytes(bytes(data))
+    rebooted()
     refused = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
     assert refused.outcome == "refused: the archive is not the bytes the daemon kept (its SHA-256 differs)"
     assert not any(refused.path.iterdir())                          # nothing of it is used
     assert built(refused, COMPILED).keep() > 0                      # the rebuild replaces it
+    rebooted()
     assert contents(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)) == COMPILED
 
 
@@ -198,7 +241,7 @@ def test_a_set_goes_only_to_the_uid_that_kept_it(tmp_path, daemons, open_dir):
     d = daemons(cfg, env={"STATE_DIRECTORY": str(state)})
     built(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS), COMPILED).keep()      # root's
     out = subprocess.run([sys.executable, "-c", NOBODY_HANDS_OVER, str(d.socket), json.dumps(SETTINGS)],
-                         capture_output=True, text=True, env=ENV, timeout=60, cwd="/")
+                         capture_output=True, text=True, env={**ENV, "TMPDIR": str(open_dir)}, timeout=60, cwd="/")
     assert out.stdout.strip() == "miss: no artifacts of small are kept for this user yet", out.stderr
 
 
@@ -213,21 +256,6 @@ def test_status_says_which_sets_are_kept_and_why_the_last_start_missed(daemon):
     assert line.startswith(f"GPU 0 small: uid {os.geteuid()}'s kept artifacts: 1 set(s), ") and \
         "last engine start: missed (the artifacts kept of small were made with other settings: vllm: kept 0.26.0, " \
         "now 0.27.0)" in line, line
-
-
-def test_folders_of_engines_killed_before_their_exit_are_removed_by_the_next(daemon):
-    d = daemon()
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    import tempfile
-    dead = Path(tempfile.mkdtemp(prefix=f"{artifacts.PREFIX}{gone.pid}-"))
-    (dead / "vllm").mkdir()
-    alive = Path(tempfile.mkdtemp(prefix=f"{artifacts.PREFIX}{os.getppid()}-"))
-    try:
-        folder = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
-        assert not dead.exists() and alive.is_dir() and folder.path.is_dir()
-    finally:
-        shutil.rmtree(alive, ignore_errors=True)
 
 
 def test_status_of_a_daemon_that_kept_nothing_yet_lists_no_sets(daemon, daemons, tmp_path, open_dir):

@@ -3,13 +3,14 @@
 vLLM keeps its torch.compile cache under `VLLM_CACHE_ROOT` (and, from the compile on, Inductor's
 and Triton's caches inside it), Triton's kernels before that under `TRITON_CACHE_DIR` and
 Inductor's under `TORCHINDUCTOR_CACHE_DIR`, below `$HOME` or `/tmp` by default. On a cache hit
-the loader points all three at a folder of the process's own, filled
+the loader points all three at the engine user's folder for this key (the same path at every
+start: vLLM's cache names files by absolute path), filled
 from the set the daemon kept for this engine's key (`hand_over`), before vLLM compiles: a
 sandboxed or containerized engine then starts from kept artifacts although its `$HOME` is
 neither writable nor kept. Once the engine has compiled and warmed up (`Worker.
 compile_or_warm_up_model`, wrapped by `register`), whatever the folder holds that the set did not
-is sent back (`keep_new`). One folder per process: a TP rank's worker is its own process and
-talks to its own GPU's daemon.
+is sent back (`keep_new`). One folder per daemon and key: a TP rank's worker is its own process
+and talks to its own GPU's daemon.
 
 The key is what vLLM names its compile cache after, less the traced code, which only another
 vLLM changes: its config hash (`compute_hash`), its compile-relevant environment
