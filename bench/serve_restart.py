@@ -1,6 +1,6 @@
 """A restart as the user pays it: a fresh `vllm serve` from exec to its first answered request.
 
-    python -m bench.serve_restart OUTDIR [--model qwen3-8b|tiny] [--repeat 3] [--api serve|llm]
+    python -m bench.serve_restart OUTDIR [--model qwen3-8b|tiny] [--repeat 3] [--kills N] [--api serve|llm]
                                          [--env NAME=VALUE ...] [--default-only]
     python -m bench.serve_restart OUTDIR --plot     (phases read again from the logs, the picture again)
 
@@ -13,8 +13,10 @@ its gpu_memory_utilization) unless `--eager` or `--utilization` say otherwise:
 - then a daemon (`on_release = "drop"`, a fresh state directory) fills the model; `zero_copy
   first`: the first engine with `--load-format fast_start`, whose kept artifacts miss (the daemon
   has none yet: vLLM compiles into fast-start's folder, not the caches above), then `zero_copy
-  warm` and `copy warm` `--repeat` times each, which start from the artifacts the daemon kept, the
-  daemon filled again after each copy. Each run records its kept artifacts' outcome (`artifacts`:
+  warm` `--repeat` times, which start from the artifacts the daemon kept; `zero_copy supervised`:
+  the same engine under `python -m fast_start.supervise` (vLLM imported once, its engine process
+  forked), killed with -9 `--kills` times once it answers, each restart timed from its kill to
+  the next answer (serve only); `copy warm` `--repeat` times, the daemon filled again after each. Each run records its kept artifacts' outcome (`artifacts`:
   hit, "hit, yet rebuilt" (vLLM compiled anew from them), miss, refused or unkept, as the engine's
   fast-start lines say).
 
@@ -119,16 +121,44 @@ def serve(model: Path, engine_args: list[str], env: dict, log: Path, deadline_s:
     from devtools.harness import free_port
     port = free_port()
     e = Engine([*SERVE, str(model), "--host", "127.0.0.1", "--port", str(port), *engine_args], env, log)
+    r = ask(e, port, str(model), deadline_s)
+    return {**r, "rc": e.stop(), "lines": e.lines}
+
+
+def ask(e: Engine, port: int, model: str, deadline_s: float, since: float = 0.0) -> dict:
+    """The prompts, each asked until answered: the first answer's time (seconds since exec)."""
     answers, first = [], None
-    while e.proc.poll() is None and e.since() < deadline_s and len(answers) < len(PROMPTS):
+    while e.proc.poll() is None and e.since() - since < deadline_s and len(answers) < len(PROMPTS):
         try:
-            answers.append(complete(port, str(model), PROMPTS[len(answers)]))
+            answers.append(complete(port, model, PROMPTS[len(answers)]))
             first = first or e.since()
         except urllib.error.HTTPError as err:       # it listens and refuses: an answer, and a wrong one
             answers.append(f"HTTP {err.code}: {err.read()[:300]!r}")
         except (urllib.error.URLError, ConnectionError):
             time.sleep(0.05)
-    return {"rc": e.stop(), "first_answer_s": first, "answers": answers, "lines": e.lines}
+    return {"first_answer_s": first, "answers": answers}
+
+
+def supervised(model: Path, engine_args: list[str], env: dict, log: Path, deadline_s: float,
+               kills: int) -> list[dict]:
+    """`vllm serve` under `fast_start.supervise`, its engine killed (-9) `kills` times once it has
+    answered: the first start's run (from exec), then each restart's (from the kill)."""
+    from devtools.harness import free_port
+    port = free_port()
+    e = Engine([sys.executable, "-m", "fast_start.supervise", "--", *SERVE[1:], str(model), "--host", "127.0.0.1",
+                "--port", str(port), *engine_args], env, log)
+    runs = [ask(e, port, str(model), deadline_s)]
+    for _ in range(kills):
+        if runs[-1]["first_answer_s"] is None:
+            break
+        pid = int(re.findall(r"engine started \(pid (\d+)\)", "\n".join(ln for _, ln in e.lines))[-1])
+        killed = e.since()
+        os.kill(pid, 9)
+        r = ask(e, port, str(model), deadline_s, since=killed)
+        first = r["first_answer_s"]
+        runs.append({**r, "first_answer_s": round(first - killed, 3) if first else None, "killed_at": killed})
+    rc = e.stop()
+    return [{**r, "rc": rc, "lines": e.lines} for r in runs]
 
 
 def complete(port: int, model: str, prompt: str) -> str:
@@ -164,6 +194,15 @@ def artifacts(lines: list[tuple[float, str]]) -> str:
     return next((name for name, text in ARTIFACTS if any(text in line for _, line in lines)), "")
 
 
+def windowed(lines: list[tuple[float, str]], window: list | None) -> list[tuple[float, str]]:
+    """The lines of one run of a supervised engine's log (`window`: from its kill to the next),
+    stamped from its start; all of them where there is no window."""
+    if not window:
+        return lines
+    start, end = window[0], window[1] if window[1] is not None else float("inf")
+    return [(t - start, ln) for t, ln in lines if start <= t < end]
+
+
 def phases(lines: list[tuple[float, str]], first: float | None) -> dict[str, float | None]:
     """Seconds per phase (PHASES, then "first request"), by the lines that end each."""
     out, last, i = {}, 0.0, 0
@@ -197,7 +236,7 @@ def plot(summary: dict, path: Path) -> str:
         ax.text(left[y] + 0.3, y, f"{c['first_answer_s']:.1f} s", va="center")
     ax.set_xlim(0, max(left) * 1.12)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds from exec to the first answered request (median run)")
+    ax.set_xlabel("seconds to the first answered request, median run (from exec; a supervised restart: from the kill)")
     ax.set_title(summary["title"])
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
@@ -231,7 +270,7 @@ def reparsed(out: Path) -> dict:
         log = out / r.get("log", f"{r['case'].replace(' ', '-')}-{i}.log")
         if log.exists():
             stamped = (re.match(r"\s*(\d+\.\d{3}) (.*)", ln) for ln in log.read_text(errors="replace").splitlines())
-            lines = [(float(m[1]), m[2]) for m in stamped if m]
+            lines = windowed([(float(m[1]), m[2]) for m in stamped if m], r.get("window"))
             r["phases"], r["artifacts"] = phases(lines, r["first_answer_s"]), artifacts(lines)
     summary = summarize(summary["runs"], summary["title"])
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -265,6 +304,8 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--eager", action="store_true", help="enforce_eager (the CPU's smoke run)")
     ap.add_argument("--utilization", type=float, help="gpu_memory_utilization (default: vLLM's); on the CPU, "
                     "its share of host memory")
+    ap.add_argument("--kills", type=int, help="times the supervised engine is killed and restarted "
+                    "(default: --repeat)")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                     help="set for every engine (e.g. VLLM_WORKER_MULTIPROC_METHOD=fork); named in the title")
     ap.add_argument("--default-only", action="store_true", help="the default loader's cases only, no daemon")
@@ -273,14 +314,18 @@ def arguments() -> argparse.Namespace:
     return ap.parse_args()
 
 
+def serve_flags(args: argparse.Namespace, loader: dict | None) -> list[str]:
+    flags = (["--enforce-eager"] if args.eager else []) + \
+        (["--gpu-memory-utilization", str(args.utilization)] if args.utilization else [])
+    if loader:
+        flags += ["--load-format", "fast_start", "--model-loader-extra-config", json.dumps(loader)]
+    return flags
+
+
 def start_one(args: argparse.Namespace, model: Path, env: dict, log: Path, loader: dict | None) -> dict:
     """One engine of the case's settings (`loader`: fast-start's, or None for vLLM's own)."""
     if args.api == "serve":
-        flags = (["--enforce-eager"] if args.eager else []) + \
-            (["--gpu-memory-utilization", str(args.utilization)] if args.utilization else [])
-        if loader:
-            flags += ["--load-format", "fast_start", "--model-loader-extra-config", json.dumps(loader)]
-        return serve(model, flags, env, log, args.deadline)
+        return serve(model, serve_flags(args, loader), env, log, args.deadline)
     engine = {"enforce_eager": True} if args.eager else {}
     if args.utilization:
         engine["gpu_memory_utilization"] = args.utilization
@@ -308,15 +353,28 @@ def main() -> None:
              + "".join(f", {e}" for e in args.env))
     runs: list[dict] = []
 
+    def record(r: dict, case: str, log: Path, lines: list) -> None:
+        r.update(case=case, log=log.name, phases=phases(lines, r["first_answer_s"]), artifacts=artifacts(lines))
+        runs.append(r)
+        print(f"{case}: {r['first_answer_s']} s, rc {r['rc']}, artifacts {r['artifacts'] or '-'}, {r['phases']}",
+              flush=True)
+        (args.out / "summary.json").write_text(json.dumps(summarize(runs, title), indent=1))
+
     def run(case: str, i: int, loader: dict | None = None) -> None:
         log = args.out / f"{case.replace(' ', '-')}-{i}.log"
         r = start_one(args, model, env, log, loader)
-        lines = r.pop("lines")
-        r.update(case=case, log=log.name, phases=phases(lines, r["first_answer_s"]), artifacts=artifacts(lines))
-        runs.append(r)
-        print(f"{case} {i}: {r['first_answer_s']} s, rc {r['rc']}, artifacts {r['artifacts'] or '-'}, {r['phases']}",
-              flush=True)
-        (args.out / "summary.json").write_text(json.dumps(summarize(runs, title), indent=1))
+        record(r, case, log, r.pop("lines"))
+
+    def run_supervised(loader: dict) -> None:
+        """A supervised engine's first start, then `--repeat` restarts after a kill -9, each from its kill."""
+        log = args.out / "zero_copy-supervised.log"
+        rs = supervised(model, serve_flags(args, loader), env, log, args.deadline,
+                        args.repeat if args.kills is None else args.kills)
+        bounds = [r.get("killed_at", 0.0) for r in rs] + [float("inf")]
+        for i, r in enumerate(rs):
+            r["window"] = [bounds[i], bounds[i + 1] if i + 1 < len(rs) else None]
+            record(r, "zero_copy supervised, first" if i == 0 else "zero_copy supervised, restart", log,
+                   windowed(r.pop("lines"), r["window"]))
 
     run("default cold", 0)
     for i in range(args.repeat):
@@ -334,6 +392,8 @@ def main() -> None:
             run("zero_copy first", 0, {**loader, "mode": "zero_copy"})
             for i in range(args.repeat):
                 run("zero_copy warm", i, {**loader, "mode": "zero_copy"})
+            if args.api == "serve":
+                run_supervised({**loader, "mode": "zero_copy"})
             for i in range(args.repeat):
                 run("copy warm", i, {**loader, "mode": "copy"})
                 d.cli("fill", "--gpu", "0", "--model", "m", "--wait", "600")
