@@ -1,7 +1,7 @@
 """A restart as the user pays it: a fresh `vllm serve` from exec to its first answered request.
 
     python -m bench.serve_restart OUTDIR [--model qwen3-8b|tiny] [--repeat 3] [--kills N] [--api serve|llm]
-                                         [--env NAME=VALUE ...] [--default-only]
+                                         [--env NAME=VALUE ...] [--default-only | --fast-start-only]
     python -m bench.serve_restart OUTDIR --plot     (phases read again from the logs, the picture again)
 
 Cases, in this order, each engine a fresh process at vLLM's defaults (torch.compile, CUDA graphs,
@@ -247,7 +247,8 @@ def plot(summary: dict, path: Path) -> str:
 def summarize(runs: list[dict], title: str) -> dict:
     """Per case: its runs' times, the median, the median run's phases, whether every answer is the
     first default run's."""
-    reference = next((r["answers"] for r in runs if r["case"].startswith("default") and r["answers"]), None)
+    reference = next((r["answers"] for r in sorted(runs, key=lambda r: not r["case"].startswith("default"))
+                      if r["answers"]), None)
     cases: dict[str, dict] = {}
     for case in dict.fromkeys(r["case"] for r in runs):
         mine = [r for r in runs if r["case"] == case]
@@ -309,6 +310,8 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                     help="set for every engine (e.g. VLLM_WORKER_MULTIPROC_METHOD=fork); named in the title")
     ap.add_argument("--default-only", action="store_true", help="the default loader's cases only, no daemon")
+    ap.add_argument("--fast-start-only", action="store_true", help="fast-start's cases only (answers compared "
+                    "with the first run's)")
     ap.add_argument("--plot", action="store_true", help="only draw OUTDIR/summary.json again")
     ap.add_argument("--deadline", type=float, default=600, help="seconds one engine may take to answer")
     return ap.parse_args()
@@ -376,9 +379,10 @@ def main() -> None:
             record(r, "zero_copy supervised, first" if i == 0 else "zero_copy supervised, restart", log,
                    windowed(r.pop("lines"), r["window"]))
 
-    run("default cold", 0)
-    for i in range(args.repeat):
-        run("default warm", i)
+    if not args.fast_start_only:
+        run("default cold", 0)
+        for i in range(args.repeat):
+            run("default warm", i)
     if not args.default_only:
         state = WORK / "state"          # the unit's StateDirectory=: where the daemon keeps engines' artifacts
         shutil.rmtree(state, ignore_errors=True)

@@ -3,10 +3,15 @@ compiles are kept by the daemon, handed to the next engine, a changed setting mi
 and a corrupted set is refused and rebuilt; the tokens are the default loader's every time."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
+import vllm_support
 from vllm_support import checkpoints, engines, run_engine, vllm, work  # noqa: F401  (fixtures)
 from devtools.harness import write_config
+from fast_start import artifacts
 
 pytestmark = pytest.mark.slow      # compiled vLLM engines: minutes in all
 
@@ -15,6 +20,12 @@ UNWRITABLE_HOME = {"HOME": "/dev/null"}
 # vLLM 0.32's CPU build cannot load its own AOT-compiled functions back ("has no attribute
 # 'finalize_loading'") and compiles again; its other cache (Inductor's graphs) it loads.
 COMPILE = {"VLLM_USE_AOT_COMPILE": "0"}
+
+
+def reboot() -> None:
+    """The engines' temp dir emptied (a reboot): the next engine unpacks the daemon's set."""
+    for folder in Path(vllm_support.SERVER[0].tmp).glob(f"{artifacts.PREFIX}*"):
+        shutil.rmtree(folder)
 
 
 def test_compiled_engines_start_from_the_artifacts_the_daemon_kept(tmp_path, checkpoints, daemons):
@@ -48,9 +59,11 @@ def test_compiled_engines_start_from_the_artifacts_the_daemon_kept(tmp_path, che
     data = bytearray(kept.read_bytes())
     data[len(data) // 2] ^= 0xFF
     kept.write_bytes(bytes(data))
+    reboot()
     rebuilt = engine("rebuilt")
     assert "the artifacts the daemon kept are refused: the archive is not the bytes the daemon kept" in rebuilt
     assert "the daemon keeps this engine's artifacts" in rebuilt
+    reboot()
     assert "vLLM starts from the artifacts the daemon kept" in engine("after")
 
 
