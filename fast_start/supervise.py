@@ -9,7 +9,7 @@ forked from the same untouched interpreter: the restart starts where `import vll
 engine process is forked from it too (`ENV`), not spawned as `vllm serve` does by default.
 
 It stays the unit's main process: the engine keeps the unit's cgroup, sandbox and user, `systemctl
-stop` (SIGTERM, SIGINT) reaches the engine, and the supervisor exits with the engine's status. An
+stop` (SIGTERM, SIGINT) reaches the engine, and the supervisor ends as the engine did. An
 engine that ends cleanly ends the supervisor; one that fails more than `--restarts` times in
 `WINDOW_S` ends it with the engine's status, and systemd's `Restart=` decides. Stdlib only.
 """
@@ -34,6 +34,7 @@ PRELOAD = {"vllm": ("vllm.entrypoints.cli.serve", "vllm.entrypoints.openai.api_s
 # imports vLLM again, 15 s on the GPU machine) unless told to fork it from the warm one.
 ENV = {"vllm": {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}}
 PR_SET_CHILD_SUBREAPER = 36
+STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)      # forwarded to the engine; no restart follows
 
 
 def say(line: str) -> None:
@@ -78,8 +79,9 @@ def child(main, argv: list[str]) -> None:
     code = 1
     try:
         os.setpgid(0, 0)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in STOPS:       # blocked since before the fork: none reached the supervisor's handler here
             signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
         sys.argv = argv
         result = main()
         code = result if isinstance(result, int) else 0
@@ -148,6 +150,7 @@ class Supervisor:
     def run_once(self) -> int:
         """Fork the engine, wait for it, clean up after it: its status (negative: the signal)."""
         started = time.monotonic()
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)        # a stop now waits until the engine's pid is known
         self.pid = os.fork()
         if self.pid == 0:
             child(self.main, self.argv)
@@ -155,6 +158,7 @@ class Supervisor:
             os.setpgid(self.pid, self.pid)      # also here: a signal forwarded at once reaches the group
         except OSError:
             pass
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
         say(f"engine started (pid {self.pid}) from the warm interpreter, {time.monotonic() - started:.2f} s")
         while True:
             try:
@@ -166,10 +170,11 @@ class Supervisor:
         return os.waitstatus_to_exitcode(status)
 
     def run(self) -> int:
+        """The engine's status once it ends for good (negative: the signal that ended it)."""
         while True:
             code = self.run_once()
             if self.stopping or code == 0:
-                return code if code >= 0 else 128 - code
+                return code
             now = time.monotonic()
             self.failures.append(now)
             while self.failures and now - self.failures[0] > WINDOW_S:
@@ -177,9 +182,20 @@ class Supervisor:
             if len(self.failures) > self.restarts:
                 say(f"the engine ended ({described(code)}) {len(self.failures)} times in {WINDOW_S // 60} minutes; "
                     "the supervisor ends with it and leaves the next restart to systemd")
-                return code if code >= 0 else 128 - code
+                return code
             say(f"the engine ended ({described(code)}); starting it again from the warm interpreter "
                 f"({len(self.failures)} of {self.restarts} restarts in {WINDOW_S // 60} minutes)")
+
+
+def end_as(code: int) -> int:
+    """End as the engine did: by its signal (systemd then tells a stop from a crash as it would
+    for the engine itself), else with its exit status."""
+    if code < 0:
+        if -code != signal.SIGKILL:         # SIGKILL has no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
+        os.kill(os.getpid(), -code)
+    return code if code >= 0 else 128 - code
 
 
 def arguments(argv: list[str]) -> argparse.Namespace:
@@ -208,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     say(f"{package} imported in {time.monotonic() - started:.1f} s; every restart of the engine starts from here")
     supervisor = Supervisor(run, command, args.restarts)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in STOPS:
         signal.signal(sig, supervisor.forward)
-    return supervisor.run()
+    return end_as(supervisor.run())
 
 
 if __name__ == "__main__":

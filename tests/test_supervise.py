@@ -83,7 +83,7 @@ def alive(pid: int) -> bool:
 def test_a_crash_loop_ends_in_systemd_s_hands_and_leaves_no_orphan(tmp_path):
     env = write_module(tmp_path / "mods", "crasher", CRASHER)
     s = Supervised(["--restarts", "1", "--", "-m", "crasher"], env, tmp_path / "out.log")
-    assert s.proc.wait(120) == 128 + signal.SIGKILL
+    assert s.proc.wait(120) == -signal.SIGKILL            # ended as the engine did, for systemd to judge
     orphans = [int(m[1]) for m in s.wait_for(r"^orphan (\d+)$", 2)]
     assert not any(alive(p) for p in orphans)                   # killed and reaped by the supervisor
     s.wait_for(r"^fast-start: the engine ended \(signal SIGKILL\); starting it again from the warm interpreter "
@@ -108,6 +108,15 @@ def test_systemctl_stop_reaches_the_engine_and_restarts_nothing(tmp_path):
     assert s.proc.wait(60) == 0
     s.wait_for("^engine stopping$")
     assert sum("engine started" in ln for ln in s.lines if ln) == 1
+
+
+def test_an_engine_ended_by_the_stop_signal_ends_the_supervisor_by_it_too(tmp_path):
+    """systemd takes a main process killed by SIGTERM on stop as a clean stop, as for the engine itself."""
+    env = write_module(tmp_path / "mods", "sleeper", 'import time\nprint("engine ready", flush=True)\ntime.sleep(3600)\n')
+    s = Supervised(["--", "-m", "sleeper"], env, tmp_path / "out.log")
+    s.wait_for("^engine ready$")
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == -signal.SIGTERM
 
 
 def test_a_command_it_cannot_run_is_named_with_the_fix(tmp_path):
