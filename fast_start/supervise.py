@@ -38,7 +38,9 @@ STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)      # forwarded to the e
 
 
 def say(line: str) -> None:
-    print(f"fast-start: {line}", file=sys.stderr, flush=True)
+    """One line in one write: the engine writes to the same journal stream at the same time."""
+    sys.stderr.write(f"fast-start: {line}\n")
+    sys.stderr.flush()
 
 
 def engine(command: list[str]):

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -141,6 +143,16 @@ def group_of(leader: int) -> list[int]:
     return out
 
 
+def tiny_model(folder: Path) -> Path:
+    """A two-layer Qwen3 with a word-level tokenizer ("t17" is token 17)."""
+    from devtools import synth
+    synth.write_checkpoint(folder, synth.Shape(architecture="Qwen3ForCausalLM", hidden_size=256, num_layers=2,
+                                               num_heads=8, num_kv_heads=2, head_dim=32, intermediate_size=512,
+                                               vocab_size=1000, tie_word_embeddings=True))
+    synth.write_tokenizer(folder, 1000)
+    return folder
+
+
 def answer(s: Supervised, port: int, model: Path) -> str:
     """The server's completion, asked until it listens (it logs its start-up before it binds)."""
     from bench.serve_restart import complete
@@ -158,10 +170,10 @@ def test_a_vllm_server_killed_with_9_answers_again_from_the_warm_interpreter(tmp
     of the server, the supervisor reaps the orphaned engine core and the restarted server answers
     the same tokens, vLLM imported once."""
     pytest.importorskip("vllm")
-    from bench.serve_restart import checkpoint
-    model = checkpoint("tiny", tmp_path)
+    model = tiny_model(tmp_path / "tiny")
     port = free_port()
-    env = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": str(tmp_path)}
+    tmp = tempfile.mkdtemp(prefix="fs-")        # short: vLLM's sockets live there, named within 107 bytes
+    env = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": tmp}
     s = Supervised(["--", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
                     "--port", str(port), "--enforce-eager", "--max-model-len", "256",
                     "--kv-cache-memory-bytes", str(64 << 20)], env, tmp_path / "out.log")
@@ -179,3 +191,4 @@ def test_a_vllm_server_killed_with_9_answers_again_from_the_warm_interpreter(tmp
     finally:
         s.proc.send_signal(signal.SIGTERM)
         s.proc.wait(120)
+        shutil.rmtree(tmp, ignore_errors=True)
