@@ -16,9 +16,9 @@ its gpu_memory_utilization) unless `--eager` or `--utilization` say otherwise:
   warm` `--repeat` times, which start from the artifacts the daemon kept; `zero_copy supervised`:
   the same engine under `python -m fast_start.supervise` (vLLM imported once, its engine process
   forked), killed with -9 `--kills` times once it answers, each restart timed from its kill to
-  the next answer (serve only); `copy warm` `--repeat` times, the daemon filled again after each. Each run records its kept artifacts' outcome (`artifacts`:
-  hit, "hit, yet rebuilt" (vLLM compiled anew from them), miss, refused or unkept, as the engine's
-  fast-start lines say).
+  the next answer (serve only); `copy warm` `--repeat` times, the daemon filled again after each.
+  Each run records its kept artifacts' outcome (`artifacts`: hit, "hit, yet rebuilt" (vLLM
+  compiled anew from them), miss, refused or unkept, as the engine's fast-start lines say).
 
 `--api llm` runs the same cases through `LLM()` and one `generate` instead of the server.
 Each run: the wall time from exec to the first answered request, and its phases as the engine's
@@ -246,7 +246,7 @@ def plot(summary: dict, path: Path) -> str:
 
 def summarize(runs: list[dict], title: str) -> dict:
     """Per case: its runs' times, the median, the median run's phases, whether every answer is the
-    first default run's."""
+    first default run's (the first run's where no default case ran)."""
     reference = next((r["answers"] for r in sorted(runs, key=lambda r: not r["case"].startswith("default"))
                       if r["answers"]), None)
     cases: dict[str, dict] = {}
@@ -369,11 +369,11 @@ def main() -> None:
         record(r, case, log, r.pop("lines"))
 
     def run_supervised(loader: dict) -> None:
-        """A supervised engine's first start, then `--repeat` restarts after a kill -9, each from its kill."""
+        """A supervised engine's first start, then `--kills` restarts after a kill -9, each from its kill."""
         log = args.out / "zero_copy-supervised.log"
         rs = supervised(model, serve_flags(args, loader), env, log, args.deadline,
                         args.repeat if args.kills is None else args.kills)
-        bounds = [r.get("killed_at", 0.0) for r in rs] + [float("inf")]
+        bounds = [r.get("killed_at", 0.0) for r in rs]
         for i, r in enumerate(rs):
             r["window"] = [bounds[i], bounds[i + 1] if i + 1 < len(rs) else None]
             record(r, "zero_copy supervised, first" if i == 0 else "zero_copy supervised, restart", log,

@@ -65,8 +65,8 @@ class Folder:
             return False
 
     def remember(self, sha256: str) -> None:
-        """Record that the folder holds the set `sha256` (its files as they are now)."""
-        files = {name: size for name, (size, _) in _listing(self.path).items()}
+        """Record that the folder holds the set `sha256`, its files as `listing` has them."""
+        files = {name: size for name, (size, _) in self.listing.items()}
         partial = self.record.with_suffix(".part")
         partial.write_text(json.dumps({"sha256": sha256, "files": files}))
         partial.replace(self.record)
@@ -91,9 +91,9 @@ class Folder:
         if isinstance(reply, (protocol.Error, protocol.Miss)):
             why = reply.what if isinstance(reply, protocol.Error) else reply.reason
             raise FastStartError(f"the daemon did not keep the artifacts: {why}", reply.fix)
+        self.listing = now
         with self.locked():
             self.remember(digest)
-        self.listing = now
         return size
 
 
@@ -147,7 +147,8 @@ def fill(folder: Folder, reply, kept: int | None) -> None:
         folder.path.mkdir(mode=0o700, exist_ok=True)
         folder.outcome = f"miss: {getattr(reply, 'reason', f'the daemon answered {reply.kind}')}"
         return
-    if not folder.holds(reply.sha256):
+    unpacked = not folder.holds(reply.sha256)
+    if unpacked:
         folder.clear()
         with open(kept, "rb", closefd=False) as f:
             why = _unpack(f, reply.sha256, folder.path)
@@ -155,9 +156,9 @@ def fill(folder: Folder, reply, kept: int | None) -> None:
             folder.clear()
             folder.outcome = f"refused: {why}"
             return
+    folder.outcome, folder.listing = "hit", _listing(folder.path)
+    if unpacked:
         folder.remember(reply.sha256)
-    folder.outcome = "hit"
-    folder.listing = _listing(folder.path)
 
 
 def _listing(root: Path) -> dict[str, tuple[int, int]]:

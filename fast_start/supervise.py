@@ -11,7 +11,7 @@ engine process is forked from it too (`ENV`), not spawned as `vllm serve` does b
 It stays the unit's main process: the engine keeps the unit's cgroup, sandbox and user, `systemctl
 stop` (SIGTERM, SIGINT) reaches the engine, and the supervisor ends as the engine did. An
 engine that ends cleanly ends the supervisor; one that fails more than `--restarts` times in
-`WINDOW_S` ends it with the engine's status, and systemd's `Restart=` decides. Stdlib only.
+`WINDOW_S` ends it as the engine ended, and systemd's `Restart=` decides. Stdlib only.
 """
 from __future__ import annotations
 
@@ -162,12 +162,7 @@ class Supervisor:
             pass
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
         say(f"engine started (pid {self.pid}) from the warm interpreter, {time.monotonic() - started:.2f} s")
-        while True:
-            try:
-                _, status = os.waitpid(self.pid, 0)
-                break
-            except InterruptedError:
-                continue
+        _, status = os.waitpid(self.pid, 0)       # retried by Python after a forwarded stop's handler
         reap_all(self.pid)
         return os.waitstatus_to_exitcode(status)
 
