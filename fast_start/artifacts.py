@@ -66,9 +66,8 @@ class Folder:
 
     def remember(self, sha256: str) -> None:
         """Record that the folder holds the set `sha256`, its files as `listing` has them."""
-        files = {name: size for name, (size, _) in self.listing.items()}
         partial = self.record.with_suffix(".part")
-        partial.write_text(json.dumps({"sha256": sha256, "files": files}))
+        partial.write_text(json.dumps({"sha256": sha256, "files": self.listing}))
         partial.replace(self.record)
 
     def clear(self) -> None:
@@ -76,11 +75,13 @@ class Folder:
         shutil.rmtree(self.path, ignore_errors=True)
         self.path.mkdir(mode=0o700)
 
-    def keep(self, timeout: float = 30.0) -> int:
-        """Send the folder to the daemon if it holds anything new: the bytes sent (0: nothing new)."""
+    def keep(self, timeout: float = 30.0) -> list[str]:
+        """Send the folder to the daemon if it holds a file the set did not, or one of another size
+        (a file rewritten as it was, a lock touched, is not new): the new files' names."""
         now = _listing(self.path)
-        if now == self.listing:
-            return 0
+        new = sorted(name for name, size in now.items() if self.listing.get(name) != size)
+        if not new:
+            return []
         with tempfile.TemporaryFile() as archive:
             digest, size = _pack(self.path, archive)
             with transport.connect(Path(self.socket), timeout) as conn:
@@ -94,7 +95,7 @@ class Folder:
         self.listing = now
         with self.locked():
             self.remember(digest)
-        return size
+        return new
 
 
 def users_folder() -> Path:
@@ -161,13 +162,13 @@ def fill(folder: Folder, reply, kept: int | None) -> None:
         folder.remember(reply.sha256)
 
 
-def _listing(root: Path) -> dict[str, tuple[int, int]]:
-    """relative name -> (size, mtime_ns) of every regular file under `root`."""
+def _listing(root: Path) -> dict[str, int]:
+    """relative name -> size of every regular file under `root`."""
     out = {}
     for folder, _, names in os.walk(root):
         for name in names:
             st = os.lstat(os.path.join(folder, name))
-            out[os.path.relpath(os.path.join(folder, name), root)] = (st.st_size, st.st_mtime_ns)
+            out[os.path.relpath(os.path.join(folder, name), root)] = st.st_size
     return out
 
 

@@ -77,11 +77,11 @@ def test_a_set_kept_after_a_first_start_is_handed_to_the_next_start_and_not_sent
     d = daemon()
     first = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
     assert first.outcome == "miss: no artifacts of small are kept for this user yet" and not first.listing
-    assert built(first, COMPILED).keep() > 0
+    assert built(first, COMPILED).keep()
     assert "kept uid" in d.log.read_text()
     second = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
     assert second.outcome == "hit" and contents(second) == COMPILED
-    assert second.path == first.path and second.keep() == 0         # nothing new: nothing sent
+    assert second.path == first.path and second.keep() == []       # nothing new: nothing sent
     assert d.log.read_text().count("handed uid") == 1
     rebooted()
     third = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
@@ -99,6 +99,22 @@ def test_the_folder_is_the_same_at_every_start_and_filled_again_where_a_file_wen
     assert again.path == first.path and again.outcome == "hit" and contents(again) == COMPILED
     other_key = artifacts.hand_over(str(d.socket), "small", "k2", SETTINGS)
     assert other_key.path != first.path and not any(other_key.path.iterdir())
+
+
+def test_a_start_that_rewrites_its_files_as_they_were_sends_nothing_and_a_new_file_is_named(daemon):
+    """vLLM on a GPU touches its cache's files at every start (a lock opened, an entry written
+    again as it was): that is no rebuild. A file of a new name, or of another size, is."""
+    d = daemon()
+    built(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS), {**COMPILED, "inductor/locks/a.lock": b""})
+    artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS).keep()
+    again = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
+    assert again.outcome == "hit"
+    for name in built(again, {**COMPILED, "inductor/locks/a.lock": b""}).listing:
+        st = os.stat(again.path / name)
+        os.utime(again.path / name, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))      # later, whatever the clock
+    assert again.keep() == []
+    assert built(again, {"triton/NEW/kernel.cubin": b"k"}).keep() == ["triton/NEW/kernel.cubin"]
+    assert d.log.read_text().count("kept uid") == 2
 
 
 def test_a_folder_of_its_name_made_by_another_user_is_not_used(daemon):
@@ -133,7 +149,7 @@ def test_a_corrupted_set_is_refused_rebuilt_and_kept_anew(daemon):
     refused = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
     assert refused.outcome == "refused: the archive is not the bytes the daemon kept (its SHA-256 differs)"
     assert not any(refused.path.iterdir())                          # nothing of it is used
-    assert built(refused, COMPILED).keep() > 0                      # the rebuild replaces it
+    assert built(refused, COMPILED).keep()                      # the rebuild replaces it
     rebooted()
     assert contents(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)) == COMPILED
 

@@ -81,7 +81,7 @@ def hand_over(weights, vllm_config) -> None:
         os.environ[variable] = str(_folder.path / name)
     if _folder.outcome == "hit":
         log.info("fast-start: vLLM starts from the artifacts the daemon kept for these settings (%d files, "
-                 "%.1f MiB)", len(_folder.listing), sum(s for s, _ in _folder.listing.values()) / 2**20)
+                 "%.1f MiB)", len(_folder.listing), sum(_folder.listing.values()) / 2**20)
     elif _folder.outcome.startswith("refused"):
         log.warning("fast-start: the artifacts the daemon kept are %s; vLLM compiles anew", _folder.outcome)
     else:
@@ -96,15 +96,18 @@ def keep_new() -> None:
         return
     hit = _folder.outcome == "hit"
     try:
-        sent = _folder.keep()
+        new = _folder.keep()
     except (FastStartError, OSError) as e:
         log.warning("fast-start: could not keep this engine's artifacts: %s", getattr(e, "what", e))
         return
-    if sent and hit:
-        log.warning("fast-start: vLLM added to the kept artifacts although they were made for these settings "
-                    "(it rebuilt some); the daemon keeps the new set (%.1f MiB)", sent / 2**20)
-    elif sent:
-        log.info("fast-start: the daemon keeps this engine's artifacts (%.1f MiB) for its next start", sent / 2**20)
+    size = sum(_folder.listing.values()) / 2**20
+    if new and hit:
+        log.warning("fast-start: vLLM added to the kept artifacts although they were made for these settings (it "
+                    "rebuilt %d files: %s); the daemon keeps the new set (%.1f MiB)", len(new),
+                    ", ".join(new[:3]) + (", ..." if len(new) > 3 else ""), size)
+    elif new:
+        log.info("fast-start: the daemon keeps this engine's artifacts (%d files, %.1f MiB) for its next start",
+                 len(new), size)
 
 
 def wrap_warm_up() -> None:
