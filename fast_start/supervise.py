@@ -201,12 +201,22 @@ def arguments(argv: list[str]) -> argparse.Namespace:
                     help="import MODULE before the engine forks (added to the command's own: PRELOAD)")
     ap.add_argument("--restarts", type=int, default=3,
                     help=f"restarts within {WINDOW_S // 60} minutes before the supervisor ends (default 3)")
+    ap.add_argument("--standby", metavar="HOST:PORT", type=address,
+                    help="serve HOST:PORT from one engine and keep a second asleep to take over when it dies "
+                         "(fast_start.standby); vLLM's server only")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- the engine's console script and its arguments")
     args = ap.parse_args(argv)
     args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not args.command:
         ap.error("give the engine's command after --: -- vllm serve MODEL ... or -- -m MODULE ...")
     return args
+
+
+def address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not host:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 0.0.0.0:8000, [::]:8000)")
+    return host.strip("[]"), int(port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,7 +230,12 @@ def main(argv: list[str] | None = None) -> int:
             say(f"{name}={value} (set it to keep {package}'s own choice)")
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     say(f"{package} imported in {time.monotonic() - started:.1f} s; every restart of the engine starts from here")
-    supervisor = Supervisor(run, command, args.restarts)
+    if args.standby:
+        from .standby import Standby
+        os.environ["VLLM_SERVER_DEV_MODE"] = "1"       # its /sleep and /wake_up
+        supervisor = Standby(run, command, args.standby, args.restarts)
+    else:
+        supervisor = Supervisor(run, command, args.restarts)
     for sig in STOPS:
         signal.signal(sig, supervisor.forward)
     return end_as(supervisor.run())

@@ -1,0 +1,263 @@
+"""An engine with a hot standby: `python -m fast_start.supervise --standby HOST:PORT -- vllm serve MODEL ...`.
+
+A restart, even from a warm interpreter and kept artifacts, pays the engine's per-process GPU
+work again (loading its compiled graphs, capturing CUDA graphs: 11 s of a 19 s restart on an
+H100). A standby pays it before the crash. The supervisor runs two engines of the one command,
+each forked from the warm interpreter and listening on a Unix socket of its own (`--uds`, in a
+folder of the supervisor's): the serving engine, to which the front (`fast_start.front`) joins
+every connection made to HOST:PORT, and the standby, which started the same way (weights mapped
+from the daemon in `zero_copy`, graphs loaded and captured) and then sleeps (vLLM's level-1
+sleep: its KV cache released, its scheduler paused). When a process of the serving engine dies,
+the front holds new connections, the standby is woken (its KV cache made again, its graphs
+valid), and the front joins them to it; the dead engine's processes are killed and reaped and a
+new standby starts. Roles and each failover are one line each on stderr (the unit's journal).
+
+vLLM's `/sleep` and `/wake_up` need `VLLM_SERVER_DEV_MODE=1`, which the supervisor sets: they
+are reachable through the public address too, so keep it where only trusted clients reach.
+"""
+from __future__ import annotations
+
+import http.client
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from .supervise import STOPS, WINDOW_S, child, say
+
+STARTING, STANDBY, SERVING = "starting", "standby", "serving"
+POLL_S = 0.2        # how often a starting engine is asked whether it listens yet
+
+
+class UnixHTTP(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
+def ask(path: str, method: str, url: str, timeout: float = 60.0) -> int:
+    """The status of one HTTP request to the engine listening at `path` (0: it does not listen)."""
+    conn = UnixHTTP(path, timeout)
+    try:
+        conn.request(method, url)
+        return conn.getresponse().status
+    except OSError:
+        return 0
+    finally:
+        conn.close()
+
+
+@dataclass
+class Engine:
+    pid: int
+    socket: str
+    role: str = STARTING
+    watched: dict[int, int] = field(default_factory=dict)      # pidfd -> pid: every process of its group
+
+    def watch(self) -> None:
+        """Watch every process of the engine's group (its server and its engine core, at least)."""
+        for pid in group_of(self.pid):
+            if pid not in self.watched.values():
+                try:
+                    self.watched[os.pidfd_open(pid)] = pid
+                except ProcessLookupError:
+                    pass
+
+    def close(self) -> None:
+        for fd in self.watched:
+            os.close(fd)
+        self.watched.clear()
+
+
+def group_of(leader: int) -> list[int]:
+    """The processes of `leader`'s process group."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == leader:
+                    out.append(int(entry))
+            except ProcessLookupError:
+                continue
+    return out
+
+
+class Standby:
+    def __init__(self, main, argv: list[str], listen: tuple[str, int], restarts: int):
+        self.main, self.argv, self.restarts = main, argv, restarts
+        self.failures: list[float] = []
+        self.code = 0
+        self.folder = tempfile.mkdtemp(prefix="fast-start-standby-")
+        self.engines: list[Engine] = []
+        self.started = 0
+        self.stopping = False
+        self.front = self._front(listen)
+        self.front_fd = os.pidfd_open(self.front.pid)
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self.wake_w)
+
+    def _front(self, listen: tuple[str, int]) -> subprocess.Popen:
+        family = socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
+        sock = socket.create_server(listen, family=family, backlog=1024)
+        say(f"listening on {listen[0] or '*'}:{listen[1]}; connections wait there for the serving engine")
+        front = subprocess.Popen([sys.executable, "-m", "fast_start.front", str(sock.fileno())],
+                                 stdin=subprocess.PIPE, text=True, pass_fds=[sock.fileno()])
+        sock.close()
+        return front
+
+    def point(self, engine: Engine | None) -> None:
+        self.front.stdin.write(f"serve {engine.socket}\n" if engine else "hold\n")
+        self.front.stdin.flush()
+
+    def fork(self) -> Engine:
+        self.started += 1
+        path = os.path.join(self.folder, f"engine-{self.started}.sock")
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+        pid = os.fork()
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            for fd in (self.wake_r, self.wake_w, self.front_fd, self.front.stdin.fileno()):
+                os.close(fd)
+            for other in self.engines:
+                other.close()
+            child(self.main, [*self.argv, "--uds", path])
+        os.setpgid(pid, pid)
+        engine = Engine(pid, path)
+        engine.watched[os.pidfd_open(pid)] = pid
+        self.engines.append(engine)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)      # a stop from now on reaches this engine too
+        say(f"engine {pid} starting from the warm interpreter ({'standby' if self.serving() else 'serving'} "
+            "once it listens)")
+        return engine
+
+    def serving(self) -> Engine | None:
+        return next((e for e in self.engines if e.role == SERVING), None)
+
+    def settle(self, engine: Engine) -> None:
+        """A starting engine that listens: it serves if none does, else it goes to sleep as the standby."""
+        engine.watch()
+        if self.serving() is None:
+            engine.role = SERVING
+            self.point(engine)
+            say(f"engine {engine.pid} serving")
+        else:
+            started = time.monotonic()
+            if ask(engine.socket, "POST", "/sleep?level=1") != 200:
+                self.died(engine, "it did not go to sleep")
+                return
+            engine.role = STANDBY
+            say(f"engine {engine.pid} standing by (asleep in {time.monotonic() - started:.2f} s)")
+
+    def fail_over(self, dead: Engine, why: str) -> None:
+        """The serving engine died: the front holds new connections until the standby is awake."""
+        noticed = time.monotonic()
+        self.point(None)
+        self.bury(dead)
+        standby = next((e for e in self.engines if e.role == STANDBY), None)
+        if standby is None:
+            say(f"engine {dead.pid} died ({why}) with no standby ready; the next engine that listens serves")
+        elif ask(standby.socket, "POST", "/wake_up") != 200:
+            self.bury(standby)
+            say(f"engine {dead.pid} died ({why}) and the standby {standby.pid} did not wake; starting another")
+        else:
+            standby.role = SERVING
+            self.point(standby)
+            say(f"failover: engine {dead.pid} died ({why}); standby {standby.pid} serving "
+                f"{time.monotonic() - noticed:.2f} s later")
+
+    def bury(self, engine: Engine) -> None:
+        """Kill and reap every process of the engine's group."""
+        try:
+            os.killpg(engine.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        while True:
+            try:
+                os.waitpid(-engine.pid, 0)
+            except ChildProcessError:
+                break
+        engine.close()
+        self.engines.remove(engine)
+
+    def step(self) -> None:
+        """Wait for a death, a signal, or (while an engine starts) the next look at it; act on it."""
+        starting = [e for e in self.engines if e.role == STARTING]
+        ready = self._poll([self.wake_r, self.front_fd, *(fd for e in self.engines for fd in e.watched)],
+                           POLL_S if starting else None)
+        self._drain()
+        if self.front_fd in ready:
+            say(f"the front ended ({self.front.wait()}); the supervisor ends with the engines")
+            self.forward(signal.SIGKILL, None)
+            self.code = 1
+        for engine in list(self.engines):
+            ended = [engine.watched[fd] for fd in ready if fd in engine.watched]
+            if ended and engine in self.engines and not self.stopping:
+                self.died(engine, f"its process {ended[0]} ended")
+        for engine in starting:
+            if engine in self.engines and ask(engine.socket, "GET", "/health", timeout=POLL_S * 10) == 200:
+                self.settle(engine)
+        if not self.stopping and len(self.engines) < 2 and not any(e.role == STARTING for e in self.engines):
+            self.fork()
+
+    def died(self, engine: Engine, why: str) -> None:
+        now = time.monotonic()
+        self.failures = [t for t in self.failures if now - t <= WINDOW_S] + [now]
+        if engine.role == SERVING:
+            self.fail_over(engine, why)
+        else:
+            say(f"engine {engine.pid} ({engine.role}) died ({why}); starting another")
+            self.bury(engine)
+        if len(self.failures) > self.restarts:
+            say(f"engines died {len(self.failures)} times in {WINDOW_S // 60} minutes; the supervisor ends "
+                "and leaves the next restart to systemd")
+            self.forward(signal.SIGKILL, None)
+            self.code = 1
+
+    def run(self) -> int:
+        self.fork()
+        while not self.stopping:
+            self.step()
+        return self.stop()
+
+    @staticmethod
+    def _poll(fds: list[int], timeout_s: float | None) -> list[int]:
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        return [fd for fd, _ in poller.poll(None if timeout_s is None else timeout_s * 1000)]
+
+    def _drain(self) -> None:
+        try:
+            while os.read(self.wake_r, 64):
+                pass
+        except BlockingIOError:
+            pass
+
+    def forward(self, sig: int, _frame) -> None:
+        """systemctl stop: every engine gets the signal; the supervisor ends once they have."""
+        self.stopping = True
+        for engine in self.engines:
+            try:
+                os.killpg(engine.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> int:
+        codes = []
+        for engine in list(self.engines):
+            _, status = os.waitpid(engine.pid, 0)
+            codes.append(os.waitstatus_to_exitcode(status))
+            self.bury(engine)
+        self.front.stdin.close()
+        self.front.wait()
+        return self.code or next(iter(codes), 0)

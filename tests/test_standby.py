@@ -1,0 +1,141 @@
+"""`python -m fast_start.supervise --standby HOST:PORT`: one engine serves through the front while a
+second sleeps; when a process of the serving one dies, the standby is woken and answers, a new
+standby starts, and a stop ends them all. Real processes: a test engine (an HTTP server on its
+`--uds` socket with vLLM's /health, /sleep and /wake_up) and vLLM's CPU build."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import tempfile
+
+import pytest
+
+from devtools.harness import free_port
+from test_supervise import Supervised, alive, answer, group_of, tiny_model, write_module
+
+ENGINE = """
+import http.server, json, os, socketserver, sys
+path = sys.argv[sys.argv.index("--uds") + 1]
+state = {"asleep": False}
+if os.environ.get("ENGINE_GATE"):          # a FIFO: the engine listens once the test has opened it for it
+    open(os.environ["ENGINE_GATE"]).read()
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def reply(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.reply({"pid": os.getpid(), **state})
+
+    def do_POST(self):
+        state["asleep"] = self.path.startswith("/sleep")
+        self.reply(state)
+
+    def log_message(self, *args):
+        pass
+
+class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    def get_request(self):
+        conn, _ = self.socket.accept()
+        return conn, ("engine", 0)
+
+Server(path, Handler).serve_forever()
+"""
+
+
+def who(port: int) -> dict:
+    """The answer of whichever engine the front joins this connection to."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("GET", "/who")
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
+def roles(s: Supervised, count: int = 1) -> tuple[int, int]:
+    """(serving, standby) pids once the `count`-th standby stands by."""
+    standby = int(s.wait_for(r"^fast-start: engine (\d+) standing by", count)[-1][1])
+    last = s.wait_for(r"^fast-start: (?:engine (\d+) serving|failover: .* standby (\d+) serving)", count)[-1]
+    return int(last[1] or last[2]), standby
+
+
+def test_the_standby_answers_once_the_serving_engine_dies_and_a_new_one_stands_by(tmp_path):
+    env = write_module(tmp_path / "mods", "engine", ENGINE)
+    port = free_port()
+    s = Supervised(["--standby", f"127.0.0.1:{port}", "--", "-m", "engine"], env, tmp_path / "out.log")
+    try:
+        serving, standby = roles(s)
+        assert who(port) == {"pid": serving, "asleep": False}
+        assert who(port)["pid"] == serving          # the standby is asked nothing but to sleep
+        os.kill(serving, signal.SIGKILL)
+        s.wait_for(rf"^fast-start: failover: engine {serving} died \(its process {serving} ended\); standby "
+                   rf"{standby} serving \d+\.\d\d s later$")
+        assert who(port) == {"pid": standby, "asleep": False}      # woken before the front sends it anything
+        now_serving, next_standby = roles(s, 2)
+        assert now_serving == standby and next_standby not in (serving, standby)
+        assert not alive(serving)
+    finally:
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(120) in (0, -signal.SIGTERM)
+    assert not any(alive(p) for p in (standby, next_standby))
+
+
+def test_a_connection_made_while_no_engine_serves_waits_for_the_next(tmp_path):
+    """The serving engine dies with no standby ready: the front holds a connection made then (none
+    is refused) and the next engine to listen answers it."""
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    env = {**write_module(tmp_path / "mods", "engine", ENGINE), "ENGINE_GATE": str(gate)}
+    port = free_port()
+    s = Supervised(["--standby", f"127.0.0.1:{port}", "--", "-m", "engine"], env, tmp_path / "out.log")
+    try:
+        gate.write_text("go")           # the first engine may listen; the second then waits at the gate
+        first = int(s.wait_for(r"^fast-start: engine (\d+) serving$")[0][1])
+        second = int(s.wait_for(r"^fast-start: engine (\d+) starting .*\(standby once it listens\)$")[0][1])
+        os.kill(first, signal.SIGKILL)
+        s.wait_for(rf"^fast-start: engine {first} died \(its process {first} ended\) with no standby ready")
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("GET", "/who")                 # made while no engine serves
+        gate.write_text("go")
+        assert json.loads(conn.getresponse().read()) == {"pid": second, "asleep": False}
+        s.wait_for(rf"^fast-start: engine {second} serving$")
+    finally:
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(120)
+
+
+def test_a_vllm_server_whose_engine_core_is_killed_fails_over_to_its_standby_with_the_same_tokens(tmp_path):
+    """vLLM's CPU build (its sleep frees nothing on the CPU, yet pauses the scheduler as on a GPU)."""
+    pytest.importorskip("vllm")
+    model = tiny_model(tmp_path / "tiny")
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="fs-")        # short: vLLM's sockets live there, named within 107 bytes
+    env = {**write_module(tmp_path / "mods", "unused", ""), "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": tmp}
+    s = Supervised(["--standby", f"127.0.0.1:{port}", "--", "-m", "vllm.entrypoints.openai.api_server", "--model",
+                    str(model), "--enforce-eager", "--max-model-len", "256", "--kv-cache-memory-bytes",
+                    str(64 << 20)], env, tmp_path / "out.log")
+    try:
+        serving, standby = roles(s)
+        want = answer(s, port, model)
+        old = group_of(serving)
+        core = next(p for p in old if open(f"/proc/{p}/cmdline").read().startswith("VLLM::EngineCore"))
+        os.kill(core, signal.SIGKILL)
+        s.wait_for(rf"^fast-start: failover: engine {serving} died \(its process {core} ended\); standby {standby} "
+                   r"serving")
+        assert answer(s, port, model) == want
+        assert not any(alive(p) for p in old)
+        assert roles(s, 2)[0] == standby
+        assert sum("imported in" in ln for ln in s.lines if ln) == 1
+    finally:
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(120)
+        shutil.rmtree(tmp, ignore_errors=True)
