@@ -5,9 +5,9 @@ work again (loading its compiled graphs, capturing CUDA graphs: 11 s of a 19 s r
 H100). A standby pays it before the crash. The supervisor runs two engines of the one command,
 each forked from the warm interpreter and listening on a Unix socket of its own (`--uds`, in a
 folder of the supervisor's): the serving engine, to which the front (`fast_start.front`) joins
-every connection made to HOST:PORT, and the standby, which started the same way (weights mapped
-from the daemon in `zero_copy`, graphs loaded and captured) and then sleeps (vLLM's level-1
-sleep: its KV cache released, its scheduler paused). When a process of the serving engine dies,
+every connection made to HOST:PORT, and the standby, which started the same way (with
+`--load-format fast_start` in `zero_copy`, on the daemon's weights: no second copy) and then
+sleeps (vLLM's level-1 sleep: its KV cache released, its scheduler paused). When a process of the serving engine dies,
 the front holds new connections, the standby is woken (its KV cache made again, its graphs
 valid), and the front joins them to it; the dead engine's processes are killed and reaped and a
 new standby starts. Roles and each failover are one line each on stderr (the unit's journal).
@@ -20,6 +20,7 @@ from __future__ import annotations
 import http.client
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,12 +38,12 @@ POLL_S = 0.2        # how often a starting engine is asked whether it listens ye
 class UnixHTTP(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float):
         super().__init__("localhost", timeout=timeout)
-        self.path = path
+        self.unix_path = path
 
     def connect(self) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(self.timeout)
-        self.sock.connect(self.path)
+        self.sock.connect(self.unix_path)
 
 
 def ask(path: str, method: str, url: str, timeout: float = 60.0) -> int:
@@ -260,4 +261,5 @@ class Standby:
             self.bury(engine)
         self.front.stdin.close()
         self.front.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
         return self.code or next(iter(codes), 0)
