@@ -109,7 +109,11 @@ class Standby:
 
     def _front(self, listen: tuple[str, int]) -> subprocess.Popen:
         family = socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
-        sock = socket.create_server(listen, family=family, backlog=1024)
+        try:
+            sock = socket.create_server(listen, family=family, backlog=1024)
+        except OSError as e:
+            raise SystemExit(f"fast-start: cannot listen on {listen[0]}:{listen[1]} for --standby: {os.strerror(e.errno)}; "
+                             "give a free address (another server on the port?)") from None
         say(f"listening on {listen[0] or '*'}:{listen[1]}; connections wait there for the serving engine")
         front = subprocess.Popen([sys.executable, "-m", "fast_start.front", str(sock.fileno())],
                                  stdin=subprocess.PIPE, text=True, pass_fds=[sock.fileno()])

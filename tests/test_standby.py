@@ -10,13 +10,14 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 
 import pytest
 
 from devtools.harness import free_port
-from test_supervise import Supervised, alive, answer, group_of, tiny_model, write_module
+from test_supervise import SUPERVISE, Supervised, alive, answer, group_of, tiny_model, write_module
 
 ENGINE = """
 import http.server, json, os, socketserver, sys
@@ -155,3 +156,17 @@ def test_a_vllm_server_whose_engine_core_is_killed_fails_over_to_its_standby_wit
     finally:
         stopped(s)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_an_address_it_cannot_listen_on_is_named_with_the_fix(tmp_path):
+    env = write_module(tmp_path / "mods", "engine", ENGINE)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        out = subprocess.run([*SUPERVISE, "--standby", f"127.0.0.1:{port}", "--", "-m", "engine"], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert (f"fast-start: cannot listen on 127.0.0.1:{port} for --standby: Address already in use; give a free "
+            "address (another server on the port?)") in out.stderr
+    out = subprocess.run([*SUPERVISE, "--standby", "8000", "--", "-m", "engine"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "'8000' is not HOST:PORT (e.g. 0.0.0.0:8000, [::]:8000)" in out.stderr
