@@ -12,6 +12,7 @@ It stays the unit's main process: the engine keeps the unit's cgroup, sandbox an
 stop` (SIGTERM, SIGINT) reaches the engine, and the supervisor ends as the engine did. An
 engine that ends cleanly ends the supervisor; one that fails more than `--restarts` times in
 `WINDOW_S` ends it as the engine ended, and systemd's `Restart=` decides. Stdlib only.
+`--standby HOST:PORT` keeps a second engine asleep to take over instead (`fast_start.standby`).
 """
 from __future__ import annotations
 
