@@ -10,7 +10,9 @@ every connection made to HOST:PORT, and the standby, which started the same way 
 sleeps (vLLM's level-1 sleep: its KV cache released, its scheduler paused). When a process of the serving engine dies,
 the front holds new connections, the standby is woken (its KV cache made again, its graphs
 valid), and the front joins them to it; the dead engine's processes are killed and reaped and a
-new standby starts. Roles and each failover are one line each on stderr (the unit's journal).
+new standby starts. A death is that of the engine's server (the forked child) or of a process
+of its group titled as vital (`VITAL`: vLLM's engine core and workers); a helper that ends on
+its own is not one. Roles and each failover are one line each on stderr (the unit's journal).
 
 vLLM's `/sleep` and `/wake_up` need `VLLM_SERVER_DEV_MODE=1`, which the supervisor sets: they
 are reachable through the public address too, so keep it where only trusted clients reach.
@@ -33,6 +35,7 @@ from .supervise import STOPS, WINDOW_S, child, say
 
 STARTING, STANDBY, SERVING = "starting", "standby", "serving"
 POLL_S = 0.2        # how often a starting engine is asked whether it listens yet
+VITAL = (b"VLLM::",)     # process titles of an engine's processes that it cannot serve without (its engine core, workers)
 
 
 class UnixHTTP(http.client.HTTPConnection):
@@ -66,9 +69,10 @@ class Engine:
     watched: dict[int, int] = field(default_factory=dict)      # pidfd -> pid: every process of its group
 
     def watch(self) -> None:
-        """Watch every process of the engine's group (its server and its engine core, at least)."""
+        """Watch the engine's server and the processes of its group that it cannot serve without
+        (`VITAL`); a helper that ends on its own (a compile worker) is not a death."""
         for pid in group_of(self.pid):
-            if pid not in self.watched.values():
+            if pid not in self.watched.values() and vital(pid):
                 try:
                     self.watched[os.pidfd_open(pid)] = pid
                 except ProcessLookupError:
@@ -78,6 +82,14 @@ class Engine:
         for fd in self.watched:
             os.close(fd)
         self.watched.clear()
+
+
+def vital(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().startswith(VITAL)
+    except OSError:
+        return False
 
 
 def group_of(leader: int) -> list[int]:

@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -25,6 +26,9 @@ path = sys.argv[sys.argv.index("--uds") + 1]
 state = {"asleep": False}
 if os.environ.get("ENGINE_GATE"):          # a FIFO: the engine listens once the test has opened it for it
     open(os.environ["ENGINE_GATE"]).read()
+if os.environ.get("ENGINE_HELPER"):        # a helper in the engine's group that ends once the test opens this FIFO
+    import subprocess
+    subprocess.Popen([sys.executable, "-c", f"open({os.environ['ENGINE_HELPER']!r}).read()"])
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def reply(self, body):
@@ -106,6 +110,28 @@ def test_the_standby_answers_once_the_serving_engine_dies_and_a_new_one_stands_b
         code = stopped(s)
     assert code in (0, -signal.SIGTERM)
     assert not any(alive(p) for p in (standby, next_standby))
+
+
+def test_a_helper_of_the_engine_that_ends_on_its_own_is_no_death(tmp_path):
+    helper = tmp_path / "helper"
+    os.mkfifo(helper)
+    env = {**write_module(tmp_path / "mods", "engine", ENGINE), "ENGINE_HELPER": str(helper)}
+    port = free_port()
+    s = Supervised(["--standby", f"127.0.0.1:{port}", "--", "-m", "engine"], env, tmp_path / "out.log")
+    try:
+        serving, standby = roles(s)
+        helpers = [os.pidfd_open(p) for p in group_of(serving) if p != serving]
+        assert helpers
+        helper.write_text("done")           # every engine's helper ends, exit 0
+        for fd in helpers:
+            select.select([fd], [], [])     # ended
+            os.close(fd)
+        os.kill(standby, signal.SIGKILL)    # an event after those: by its line, the helper's end was seen
+        seen = s.wait_for(rf"^fast-start: (?:engine {standby} \(standby\) died|.*engine {serving} died)")[0]
+        assert "(standby) died" in seen[0], s.log.read_text()
+        assert who(port) == {"pid": serving, "asleep": False}
+    finally:
+        stopped(s)
 
 
 def test_a_connection_made_while_no_engine_serves_waits_for_the_next(tmp_path):
