@@ -68,6 +68,19 @@ def who(port: int) -> dict:
         conn.close()
 
 
+def engine_with_standby(tmp_path, fifo: str = "") -> tuple[Supervised, int, object]:
+    """(the supervisor of the test engine with a standby, its public port, the FIFO named `fifo`
+    that the engine reads from the variable ENGINE_<FIFO>, if any)."""
+    env = write_module(tmp_path / "mods", "engine", ENGINE)
+    path = None
+    if fifo:
+        path = tmp_path / fifo
+        os.mkfifo(path)
+        env[f"ENGINE_{fifo.upper()}"] = str(path)
+    port = free_port()
+    return Supervised(["--standby", f"127.0.0.1:{port}", "--", "-m", "engine"], env, tmp_path / "out.log"), port, path
+
+
 def stopped(s: Supervised) -> int:
     """systemctl stop: the supervisor's status once it and every engine ended; killed (and the
     test failed) where it hangs, as systemd's stop timeout would."""
@@ -92,9 +105,7 @@ def roles(s: Supervised, count: int = 1) -> tuple[int, int]:
 
 
 def test_the_standby_answers_once_the_serving_engine_dies_and_a_new_one_stands_by(tmp_path):
-    env = write_module(tmp_path / "mods", "engine", ENGINE)
-    port = free_port()
-    s = Supervised(["--standby", f"127.0.0.1:{port}", "--", "-m", "engine"], env, tmp_path / "out.log")
+    s, port, _ = engine_with_standby(tmp_path)
     try:
         serving, standby = roles(s)
         assert who(port) == {"pid": serving, "asleep": False}
@@ -113,11 +124,7 @@ def test_the_standby_answers_once_the_serving_engine_dies_and_a_new_one_stands_b
 
 
 def test_a_helper_of_the_engine_that_ends_on_its_own_is_no_death(tmp_path):
-    helper = tmp_path / "helper"
-    os.mkfifo(helper)
-    env = {**write_module(tmp_path / "mods", "engine", ENGINE), "ENGINE_HELPER": str(helper)}
-    port = free_port()
-    s = Supervised(["--standby", f"127.0.0.1:{port}", "--", "-m", "engine"], env, tmp_path / "out.log")
+    s, port, helper = engine_with_standby(tmp_path, "helper")
     try:
         serving, standby = roles(s)
         helpers = [os.pidfd_open(p) for p in group_of(serving) if p != serving]
@@ -137,11 +144,7 @@ def test_a_helper_of_the_engine_that_ends_on_its_own_is_no_death(tmp_path):
 def test_a_connection_made_while_no_engine_serves_waits_for_the_next(tmp_path):
     """The serving engine dies with no standby ready: the front holds a connection made then (none
     is refused) and the next engine to listen answers it."""
-    gate = tmp_path / "gate"
-    os.mkfifo(gate)
-    env = {**write_module(tmp_path / "mods", "engine", ENGINE), "ENGINE_GATE": str(gate)}
-    port = free_port()
-    s = Supervised(["--standby", f"127.0.0.1:{port}", "--", "-m", "engine"], env, tmp_path / "out.log")
+    s, port, gate = engine_with_standby(tmp_path, "gate")
     try:
         gate.write_text("go")           # the first engine may listen; the second then waits at the gate
         first = int(s.wait_for(r"^fast-start: engine (\d+) serving$")[0][1])
