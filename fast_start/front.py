@@ -5,11 +5,12 @@ says on stdin which engine serves (`serve PATH`, the engine's Unix socket) or th
 (`hold`). Each accepted connection is joined to the serving engine's socket and its bytes copied
 both ways until the engine's side ends. While none serves (a failover), a new connection waits
 here, none is refused, and goes to the next engine that serves. The end of stdin (the supervisor
-gone) ends this process. Stdlib only: it imports no engine.
+gone) ends this process; stop signals do not. Stdlib only: it imports no engine.
 """
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import threading
@@ -87,6 +88,8 @@ def commands(front: Front, lines) -> None:
 
 
 def main() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):     # systemd's stop reaches the whole unit:
+        signal.signal(sig, signal.SIG_IGN)                          # this ends when the supervisor has
     listener = socket.socket(fileno=int(sys.argv[1]))
     front = Front(listener)
     threading.Thread(target=front.accept_forever, daemon=True).start()

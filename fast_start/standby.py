@@ -212,7 +212,7 @@ class Standby:
         ready = self._poll([self.wake_r, self.front_fd, *(fd for e in self.engines for fd in e.watched)],
                            POLL_S if starting else None)
         self._drain()
-        if self.front_fd in ready:
+        if self.front_fd in ready and not self.stopping:
             say(f"the front ended ({self.front.wait()}); the supervisor ends with the engines")
             self.forward(signal.SIGKILL, None)
             self.code = 1

@@ -123,6 +123,20 @@ def test_the_standby_answers_once_the_serving_engine_dies_and_a_new_one_stands_b
     assert not any(alive(p) for p in (standby, next_standby))
 
 
+def test_a_stop_sent_to_the_whole_unit_ends_it_cleanly(tmp_path):
+    """systemd's default stop signals every process of the unit, the front too: the engines end
+    by their own shutdown and the supervisor as they did."""
+    s, port, _ = engine_with_standby(tmp_path)
+    serving, standby = roles(s)
+    with open(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children") as f:
+        front = next(int(p) for p in f.read().split() if b"fast_start.front" in open(f"/proc/{p}/cmdline", "rb").read())
+    for pid in (front, serving, standby, s.proc.pid):
+        os.kill(pid, signal.SIGTERM)
+    assert s.proc.wait(120) in (0, -signal.SIGTERM)
+    assert not any("the front ended" in line for line in s.lines if line), s.log.read_text()
+    assert not any(alive(p) for p in (front, serving, standby))
+
+
 def test_a_helper_of_the_engine_that_ends_on_its_own_is_no_death(tmp_path):
     s, port, helper = engine_with_standby(tmp_path, "helper")
     try:
