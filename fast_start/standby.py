@@ -124,8 +124,8 @@ class Standby:
         try:
             sock = socket.create_server(listen, family=family, backlog=1024)
         except OSError as e:
-            raise SystemExit(f"fast-start: cannot listen on {listen[0]}:{listen[1]} for --standby: {os.strerror(e.errno)}; "
-                             "give a free address (another server on the port?)") from None
+            raise SystemExit(f"fast-start: cannot listen on {listen[0]}:{listen[1]} for --standby: "
+                             f"{os.strerror(e.errno)}; give a free address (another server on the port?)") from None
         say(f"listening on {listen[0] or '*'}:{listen[1]}; connections wait there for the serving engine")
         front = subprocess.Popen([sys.executable, "-m", "fast_start.front", str(sock.fileno())],
                                  stdin=subprocess.PIPE, text=True, pass_fds=[sock.fileno()])
@@ -148,7 +148,10 @@ class Standby:
             for other in self.engines:
                 other.close()
             child(self.main, [*self.argv, "--uds", path])
-        os.setpgid(pid, pid)
+        try:
+            os.setpgid(pid, pid)        # also here: a stop forwarded at once reaches the group
+        except OSError:
+            pass
         engine = Engine(pid, path)
         engine.watched[os.pidfd_open(pid)] = pid
         self.engines.append(engine)
