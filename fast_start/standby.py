@@ -35,7 +35,7 @@ from .supervise import STOPS, WINDOW_S, child, say
 
 STARTING, STANDBY, SERVING = "starting", "standby", "serving"
 POLL_S = 0.2        # how often a starting engine is asked whether it listens yet
-VITAL = (b"VLLM::",)     # process titles of an engine's processes that it cannot serve without (its engine core, workers)
+VITAL = (b"VLLM::",)     # titles of the processes an engine cannot serve without (engine core, workers)
 
 
 class UnixHTTP(http.client.HTTPConnection):
