@@ -7,8 +7,8 @@ each forked from the warm interpreter and listening on a Unix socket of its own 
 folder of the supervisor's): the serving engine, to which the front (`fast_start.front`) joins
 every connection made to HOST:PORT, and the standby, which started the same way (with
 `--load-format fast_start` in `zero_copy`, on the daemon's weights: no second copy) and then
-sleeps (vLLM's level-1 sleep: its KV cache released, its scheduler paused). When a process of the serving engine dies,
-the front holds new connections, the standby is woken (its KV cache made again, its graphs
+sleeps (vLLM's level-1 sleep: its KV cache released, its scheduler paused). When the serving
+engine dies, the front holds new connections, the standby is woken (its KV cache made again, its graphs
 valid), and the front joins them to it; the dead engine's processes are killed and reaped and a
 new standby starts. A death is that of the engine's server (the forked child) or of a process
 of its group titled as vital (`VITAL`: vLLM's engine core and workers); a helper that ends on
@@ -31,7 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from .supervise import STOPS, WINDOW_S, child, say
+from .supervise import STOPS, WINDOW_S, Failures, child, say
 
 STARTING, STANDBY, SERVING = "starting", "standby", "serving"
 POLL_S = 0.2        # how often a starting engine is asked whether it listens yet
@@ -66,7 +66,7 @@ class Engine:
     pid: int
     socket: str
     role: str = STARTING
-    watched: dict[int, int] = field(default_factory=dict)      # pidfd -> pid: every process of its group
+    watched: dict[int, int] = field(default_factory=dict)      # pidfd -> pid: its server and vital processes
 
     def watch(self) -> None:
         """Watch the engine's server and the processes of its group that it cannot serve without
@@ -108,7 +108,7 @@ def group_of(leader: int) -> list[int]:
 class Standby:
     def __init__(self, main, argv: list[str], listen: tuple[str, int], restarts: int):
         self.main, self.argv, self.restarts = main, argv, restarts
-        self.failures: list[float] = []
+        self.failures = Failures()
         self.code = 0
         self.folder = tempfile.mkdtemp(prefix="fast-start-standby-")
         self.engines: list[Engine] = []
@@ -216,9 +216,7 @@ class Standby:
                            POLL_S if starting else None)
         self._drain()
         if self.front_fd in ready and not self.stopping:
-            say(f"the front ended ({self.front.wait()}); the supervisor ends with the engines")
-            self.forward(signal.SIGKILL, None)
-            self.code = 1
+            self.give_up(f"the front ended ({self.front.wait()}); the supervisor ends with the engines")
         for engine in list(self.engines):
             ended = [engine.watched[fd] for fd in ready if fd in engine.watched]
             if ended and engine in self.engines and not self.stopping:
@@ -230,18 +228,20 @@ class Standby:
             self.fork()
 
     def died(self, engine: Engine, why: str) -> None:
-        now = time.monotonic()
-        self.failures = [t for t in self.failures if now - t <= WINDOW_S] + [now]
+        failed = self.failures.add()
         if engine.role == SERVING:
             self.fail_over(engine, why)
         else:
             say(f"engine {engine.pid} ({engine.role}) died ({why}); starting another")
             self.bury(engine)
-        if len(self.failures) > self.restarts:
-            say(f"engines died {len(self.failures)} times in {WINDOW_S // 60} minutes; the supervisor ends "
-                "and leaves the next restart to systemd")
-            self.forward(signal.SIGKILL, None)
-            self.code = 1
+        if failed > self.restarts:
+            self.give_up(f"engines died {failed} times in {WINDOW_S // 60} minutes; the supervisor ends and "
+                         "leaves the next restart to systemd")
+
+    def give_up(self, line: str) -> None:
+        say(line)
+        self.forward(signal.SIGKILL, None)
+        self.code = 1
 
     def run(self) -> int:
         self.fork()

@@ -134,10 +134,25 @@ def described(status: int) -> str:
     return f"signal {signal.Signals(-status).name}" if status < 0 else f"exit {status}"
 
 
+class Failures:
+    """An engine's failures within the last `WINDOW_S`."""
+
+    def __init__(self):
+        self.times: deque[float] = deque()
+
+    def add(self) -> int:
+        """Count one now: how many the window holds."""
+        now = time.monotonic()
+        self.times.append(now)
+        while now - self.times[0] > WINDOW_S:
+            self.times.popleft()
+        return len(self.times)
+
+
 class Supervisor:
     def __init__(self, main, argv: list[str], restarts: int):
         self.main, self.argv, self.restarts = main, argv, restarts
-        self.failures: deque[float] = deque()
+        self.failures = Failures()
         self.pid = 0
         self.stopping = False
 
@@ -173,16 +188,13 @@ class Supervisor:
             code = self.run_once()
             if self.stopping or code == 0:
                 return code
-            now = time.monotonic()
-            self.failures.append(now)
-            while self.failures and now - self.failures[0] > WINDOW_S:
-                self.failures.popleft()
-            if len(self.failures) > self.restarts:
-                say(f"the engine ended ({described(code)}) {len(self.failures)} times in {WINDOW_S // 60} minutes; "
+            failed = self.failures.add()
+            if failed > self.restarts:
+                say(f"the engine ended ({described(code)}) {failed} times in {WINDOW_S // 60} minutes; "
                     "the supervisor ends with it and leaves the next restart to systemd")
                 return code
             say(f"the engine ended ({described(code)}); starting it again from the warm interpreter "
-                f"({len(self.failures)} of {self.restarts} restarts in {WINDOW_S // 60} minutes)")
+                f"({failed} of {self.restarts} restarts in {WINDOW_S // 60} minutes)")
 
 
 def end_as(code: int) -> int:

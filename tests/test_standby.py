@@ -18,7 +18,8 @@ import tempfile
 import pytest
 
 from devtools.harness import free_port
-from test_supervise import SUPERVISE, Supervised, alive, answer, group_of, tiny_model, write_module
+from fast_start.standby import group_of
+from test_supervise import SUPERVISE, Supervised, alive, answer, tiny_model, write_module
 
 ENGINE = """
 import http.server, json, os, socketserver, sys

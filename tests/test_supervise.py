@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from devtools.harness import free_port
+from fast_start.standby import group_of
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 SUPERVISE = [sys.executable, "-m", "fast_start.supervise"]
@@ -129,18 +130,6 @@ def test_a_command_it_cannot_run_is_named_with_the_fix(tmp_path):
     assert "give the engine's command as its script (`vllm serve ...`) or as `-m MODULE ...`" in out.stderr
     out = subprocess.run(SUPERVISE, capture_output=True, text=True, env=ENV, timeout=60)
     assert out.returncode == 2 and "give the engine's command after --" in out.stderr
-
-
-def group_of(leader: int) -> list[int]:
-    """The processes in `leader`'s process group now."""
-    out = []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and os.getpgid(int(entry)) == leader:
-                out.append(int(entry))
-        except ProcessLookupError:
-            continue
-    return out
 
 
 def tiny_model(folder: Path) -> Path:
