@@ -256,7 +256,7 @@ def _miss(msg: protocol.Artifacts, closest: dict | None) -> protocol.Miss:
 
 def _short(value) -> str:
     text = "(none)" if value is None else str(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text) <= 60 else f"{text[:24]}...{text[-33:]}"      # a path's tail tells most
 
 
 def _nothing(sent: bool) -> None:

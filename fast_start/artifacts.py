@@ -1,16 +1,19 @@
 """The engine's side of kept artifacts (the daemon's side: `artifact_store.py`).
 
-An engine points the caches it rebuilds at every start (vLLM's torch.compile cache, Triton's
-kernels) at a folder of its user's under the temp dir (`Folder`): a sandboxed or containerized
-engine's `$HOME` may be neither writable nor kept, and this folder needs neither. Its path is the
-same at every start of the engine (same user, daemon socket, model and key), because vLLM's
-compile cache names its files by absolute path. `hand_over` fills it from the set the daemon kept
-for the engine's key, checking the archive's SHA-256 as it unpacks; a set that fails the check or
-holds anything but folders and regular files under relative names is refused, and the folder
-left empty, so the engine rebuilds. A folder that already holds the daemon's set, every file of it
-whole, is used as it is (`.set` beside it records the set). Once the engine has started,
-`Folder.keep` sends the folder back if it holds anything the set did not: the first start of a
-key, or a rebuild after a refusal.
+An engine keeps the caches it rebuilds at every start (vLLM's torch.compile cache, Triton's
+kernels) in a `Folder`: the engine's own cache folder where it can write there (`own`), else a
+folder of its user's under the temp dir (a sandboxed or containerized engine's `$HOME` may be
+neither writable nor kept; that folder needs neither). Either is the same path at every start of
+the engine, because vLLM's compile cache names its files by absolute path; the path is part of
+the key. `hand_over` adds to the folder what it lacks of the set the daemon kept for the engine's
+key, unpacked beside it first with the archive's SHA-256 checked: a set that fails the check or
+holds anything but folders and regular files under relative names is refused and nothing of it
+is added, so the engine starts from what its folder holds, as it would without fast-start. A
+folder already holding the set, every file of it whole, is used as it is (`.set` beside it
+records the set). Once the engine has started, `Folder.keep` sends the set back if the engine
+added to it: a file new since the start or of another size, or one of the engine's own folders
+(`ours`) not yet kept. A temp folder is the engine's alone, all of it kept; in an own folder,
+other engines' files stay out of the set.
 
 Stdlib only: the engine's plugin calls it with torch loaded, but nothing here needs it.
 """
@@ -32,18 +35,23 @@ from .errors import FastStartError
 
 CHUNK = 1 << 20
 PREFIX = "fast-start-artifacts-"        # then the user's uid: the folder of that user's folders
+UNPACKING = ".fast-start-unpacking-"    # a set unpacked beside the folder's files, before they get what they lack
 
 
 class Folder:
     """The engine's artifact folder; `outcome` says how it was filled ("hit", "miss: why",
-    "refused: why"), `listing` what it held then."""
+    "refused: why"), `listing` which files of the kept set it holds (name -> size), `before` all
+    it held then."""
 
-    def __init__(self, socket_path: str, model: str, key: str, settings: dict[str, str]):
-        self.socket, self.model, self.key, self.settings = socket_path, model, key, settings
-        name = hashlib.sha256("\0".join((socket_path, model, key)).encode()).hexdigest()[:32]
+    def __init__(self, socket_path: str, model: str, key: str, settings: dict[str, str], own: Path | None = None):
+        name = hashlib.sha256("\0".join((socket_path, model, key, str(own or ""))).encode()).hexdigest()[:32]
         root = users_folder()
-        self.path, self.record = root / name, root / f"{name}.set"
-        self.outcome, self.listing = "", {}
+        self.own, self.path, self.record = own is not None, own or root / name, root / f"{name}.set"
+        if own is not None:     # a temp folder's path follows from the key; an own one's is a setting of it
+            key = hashlib.sha256(f"{key}\0{own}".encode()).hexdigest()
+            settings = {**settings, "cache folder": str(own)}
+        self.socket, self.model, self.key, self.settings = socket_path, model, key, settings
+        self.outcome, self.listing, self.before = "", {}, {}
 
     @contextmanager
     def locked(self):
@@ -55,14 +63,16 @@ class Folder:
         finally:
             os.close(fd)
 
-    def holds(self, sha256: str) -> bool:
-        """Whether the folder holds the set `sha256`, every file of it at its size."""
+    def held(self, sha256: str) -> dict[str, int] | None:
+        """The files of the set `sha256` if the folder holds every one of them at its size."""
         try:
             kept = json.loads(self.record.read_text())
-            return kept["sha256"] == sha256 and all(
-                os.lstat(self.path / name).st_size == size for name, size in kept["files"].items())
+            if kept["sha256"] == sha256 and all(
+                    os.lstat(self.path / name).st_size == size for name, size in kept["files"].items()):
+                return kept["files"]
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return False
+            pass
+        return None
 
     def remember(self, sha256: str) -> None:
         """Record that the folder holds the set `sha256`, its files as `listing` has them."""
@@ -70,20 +80,20 @@ class Folder:
         partial.write_text(json.dumps({"sha256": sha256, "files": self.listing}))
         partial.replace(self.record)
 
-    def clear(self) -> None:
-        self.record.unlink(missing_ok=True)
-        shutil.rmtree(self.path, ignore_errors=True)
-        self.path.mkdir(mode=0o700)
-
-    def keep(self, timeout: float = 30.0) -> list[str]:
-        """Send the folder to the daemon if it holds a file the set did not, or one of another size
-        (a file rewritten as it was, a lock touched, is not new): the new files' names."""
+    def keep(self, ours: tuple[str, ...] = (), timeout: float = 30.0) -> list[str]:
+        """Send the daemon the set, with what the engine added: files new since the start or of
+        another size, and those in its folders `ours` (a temp folder is all the engine's); the
+        names of the files the set lacked, none sent where it lacks none."""
         now = _listing(self.path)
-        new = sorted(name for name, size in now.items() if self.listing.get(name) != size)
+        ours = ("",) if not self.own else tuple(os.path.relpath(p, self.path) + os.sep for p in ours
+                                                 if Path(p).is_relative_to(self.path))
+        wanted = {name: size for name, size in now.items() if name in self.listing
+                  or self.before.get(name) != size or name.startswith(ours)}
+        new = sorted(name for name, size in wanted.items() if self.listing.get(name) != size)
         if not new:
             return []
         with tempfile.TemporaryFile() as archive:
-            digest, size = _pack(self.path, archive)
+            digest, size = _pack(self.path, sorted(wanted), archive)
             with transport.connect(Path(self.socket), timeout) as conn:
                 conn.settimeout(timeout + size / (32 << 20))
                 protocol.send(conn, protocol.Keep(self.model, self.key, self.settings, size, digest))
@@ -92,7 +102,7 @@ class Folder:
         if isinstance(reply, (protocol.Error, protocol.Miss)):
             why = reply.what if isinstance(reply, protocol.Error) else reply.reason
             raise FastStartError(f"the daemon did not keep the artifacts: {why}", reply.fix)
-        self.listing = now
+        self.listing = wanted
         with self.locked():
             self.remember(digest)
         return new
@@ -116,12 +126,19 @@ class Unkept(FastStartError):
     """The daemon keeps no artifacts of this model (or cannot be asked): the engine's caches stay its own."""
 
 
-def hand_over(socket_path: str, model: str, key: str, settings: dict[str, str], timeout: float = 5.0) -> Folder:
-    """A new folder for the engine's artifacts, holding the set the daemon kept for `key` if it
-    has one; `Unkept` where the daemon keeps none of this model."""
+def hand_over(socket_path: str, model: str, key: str, settings: dict[str, str], own: Path | None = None,
+              timeout: float = 5.0) -> Folder:
+    """The engine's folder (`own`, or one in the temp dir), holding the set the daemon kept for
+    `key` if it has one; `Unkept` where the daemon keeps none of this model."""
+    try:
+        folder = Folder(socket_path, model, key, settings, own)
+    except OSError as e:
+        raise Unkept(f"no folder for the artifacts can be made in {tempfile.gettempdir()}: {e}",
+                     "give the engine a writable TMPDIR") from None
     try:
         with transport.connect(Path(socket_path), timeout) as conn:
-            reply, fds = transport.request(conn, protocol.Artifacts(model, key, settings), with_fds=True)
+            reply, fds = transport.request(conn, protocol.Artifacts(model, folder.key, folder.settings),
+                                           with_fds=True)
     except (FastStartError, OSError) as e:       # a daemon of an earlier version does not know the request
         raise Unkept(f"the daemon cannot be asked for artifacts: {getattr(e, 'what', e)}", "") from None
     kept = fds.pop() if isinstance(reply, protocol.KeptArtifacts) and len(fds) == 1 else None
@@ -130,12 +147,11 @@ def hand_over(socket_path: str, model: str, key: str, settings: dict[str, str], 
     if isinstance(reply, protocol.Miss) and protocol.UNKEPT in reply.fields:
         raise Unkept(reply.reason, reply.fix)
     try:
-        folder = Folder(socket_path, model, key, settings)
         with folder.locked():
             fill(folder, reply, kept)
     except OSError as e:
-        raise Unkept(f"no folder for the artifacts can be made in {tempfile.gettempdir()}: {e}",
-                     "give the engine a writable TMPDIR") from None
+        raise Unkept(f"the kept artifacts cannot be put in {folder.path}: {e}",
+                     f"make {folder.path.parent} writable for the engine's user") from None
     finally:
         if kept is not None:
             os.close(kept)
@@ -143,48 +159,41 @@ def hand_over(socket_path: str, model: str, key: str, settings: dict[str, str], 
 
 
 def fill(folder: Folder, reply, kept: int | None) -> None:
-    """Fill the (locked) folder from the set `kept` (an fd) unless it holds it already, and say how."""
-    if kept is None:        # the daemon keeps none: whatever the folder holds is sent once the engine started
-        folder.path.mkdir(mode=0o700, exist_ok=True)
+    """Add to the (locked) folder what it lacks of the set `kept` (an fd), and say how."""
+    folder.path.mkdir(mode=0o700, exist_ok=True)
+    if kept is None:        # the daemon keeps none: what the engine makes is sent once it started
         folder.outcome = f"miss: {getattr(reply, 'reason', f'the daemon answered {reply.kind}')}"
-        return
-    unpacked = not folder.holds(reply.sha256)
-    if unpacked:
-        folder.clear()
+    elif (held := folder.held(reply.sha256)) is not None:
+        folder.outcome, folder.listing = "hit", held
+    else:
         with open(kept, "rb", closefd=False) as f:
-            why = _unpack(f, reply.sha256, folder.path)
-        if why:
-            folder.clear()
-            folder.outcome = f"refused: {why}"
-            return
-    folder.outcome, folder.listing = "hit", _listing(folder.path)
-    if unpacked:
-        folder.remember(reply.sha256)
+            why, files = _unpack_missing(f, reply.sha256, folder.path)
+        folder.outcome, folder.listing = (f"refused: {why}", {}) if why else ("hit", files)
+        if not why:
+            folder.remember(reply.sha256)
+    folder.before = _listing(folder.path)
 
 
 def _listing(root: Path) -> dict[str, int]:
-    """relative name -> size of every regular file under `root`."""
+    """relative name -> size of every regular file under `root` (fast-start's unpacking left out)."""
     out = {}
-    for folder, _, names in os.walk(root):
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(UNPACKING)]
         for name in names:
             st = os.lstat(os.path.join(folder, name))
             out[os.path.relpath(os.path.join(folder, name), root)] = st.st_size
     return out
 
 
-def _pack(root: Path, archive) -> tuple[str, int]:
-    """Write `root`'s folders and regular files (links and others left out) as a tar: its SHA-256
-    and size, `archive` left at its start."""
+def _pack(root: Path, names: list[str], archive) -> tuple[str, int]:
+    """Write the regular files `names` under `root` as a tar: its SHA-256 and size, `archive` left
+    at its start."""
     with tarfile.open(fileobj=archive, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for folder, dirs, names in os.walk(root):
-            for name in sorted(dirs) + sorted(names):
-                path = os.path.join(folder, name)
-                info = tar.gettarinfo(path, os.path.relpath(path, root))
-                if info.isdir():
-                    tar.addfile(info)
-                elif info.isreg():
-                    with open(path, "rb") as f:
-                        tar.addfile(info, f)
+        for name in names:
+            info = tar.gettarinfo(root / name, name)
+            if info.isreg():
+                with open(root / name, "rb") as f:
+                    tar.addfile(info, f)
     size = archive.tell()
     archive.seek(0)
     digest = hashlib.sha256()
@@ -194,41 +203,51 @@ def _pack(root: Path, archive) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-class _Hashed:
-    """A file read through, its SHA-256 taken of every byte read."""
-
-    def __init__(self, f):
-        self.f, self.digest = f, hashlib.sha256()
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.f.read(n)
-        self.digest.update(data)
-        return data
-
-
-def _unpack(f, sha256: str, root: Path) -> str:
-    """Unpack the tar `f` into `root`; why it was refused, or "" if it was whole and safe."""
-    hashed = _Hashed(f)
+def _unpack_missing(f, sha256: str, root: Path) -> tuple[str, dict[str, int]]:
+    """Unpack the tar `f` beside `root`'s files, then give `root` the files it lacks: why it was
+    refused ("": it was whole and safe, and added) and its files (name -> size)."""
+    staging = Path(tempfile.mkdtemp(prefix=UNPACKING, dir=root))
     try:
-        with tarfile.open(fileobj=hashed, mode="r|") as tar:
+        why, files = _unpack(f, sha256, staging)
+        for name in [] if why else files:
+            target = root / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(staging / name, target)
+            except FileExistsError:         # the engine's own, or another engine's just now: left as it is
+                pass
+        return why, {} if why else files
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _unpack(f, sha256: str, root: Path) -> tuple[str, dict[str, int]]:
+    """Unpack the tar `f` into the empty folder `root` if its bytes are the daemon's: why it was
+    refused, or "" if it was whole and safe; its files (name -> size)."""
+    digest = hashlib.sha256()
+    while chunk := f.read(CHUNK):
+        digest.update(chunk)
+    if digest.hexdigest() != sha256:
+        return "the archive is not the bytes the daemon kept (its SHA-256 differs)", {}
+    f.seek(0)
+    files = {}
+    try:
+        with tarfile.open(fileobj=f, mode="r|") as tar:
             for member in tar:
                 parts = Path(member.name).parts
                 if not (member.isreg() or member.isdir()) or not parts or Path(member.name).is_absolute() \
                         or ".." in parts:
-                    return f"the archive holds {member.name!r}, which is not a file or folder inside it"
+                    return f"the archive holds {member.name!r}, which is not a file or folder inside it", {}
                 target = root.joinpath(*parts)
                 if member.isdir():
-                    target.mkdir(mode=0o700, exist_ok=True)
+                    target.mkdir(mode=0o700, parents=True, exist_ok=True)
                     continue
-                source = tar.extractfile(member)
+                target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
                 fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                              0o700 if member.mode & 0o100 else 0o600)
                 with open(fd, "wb") as out:
-                    shutil.copyfileobj(source, out, CHUNK)
-        while hashed.read(CHUNK):
-            pass
+                    shutil.copyfileobj(tar.extractfile(member), out, CHUNK)
+                files[os.path.join(*parts)] = member.size
     except (tarfile.TarError, OSError) as e:
-        return f"the archive cannot be read ({type(e).__name__}: {e})"
-    if hashed.digest.hexdigest() != sha256:
-        return "the archive is not the bytes the daemon kept (its SHA-256 differs)"
-    return ""
+        return f"the archive cannot be read ({type(e).__name__}: {e})", {}
+    return "", files

@@ -154,6 +154,65 @@ def test_a_corrupted_set_is_refused_rebuilt_and_kept_anew(daemon):
     assert contents(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)) == COMPILED
 
 
+OTHERS = {"torch_compile_cache/other-model/rank_0_0/model.py": b"another model's graph",
+          "modelinfos/other.json": b"{}"}
+MINE = "torch_compile_cache/ab12"
+
+
+def own_start(d, own: Path, key: str = "k1") -> artifacts.Folder:
+    return artifacts.hand_over(str(d.socket), "small", key, SETTINGS, own)
+
+
+def test_an_engines_own_cache_is_used_as_it_is_and_an_emptied_one_gets_the_set_back(daemon, tmp_path):
+    """Where the engine can write its own cache folder (vLLM's `~/.cache/vllm`), a warm one starts
+    as it would without fast-start; the set keeps this engine's compile folder and what its start
+    added, not other models' files; an emptied one (a container, a reboot) gets the set back,
+    and a file the folder has of its own is left as it is."""
+    d, own = daemon(), tmp_path / "home-cache-vllm"
+    warm = {f"{MINE}/rank_0_0/backbone/model.py": b"graph" * 1000, **OTHERS}
+    built(artifacts.Folder("", "", "", {}, own), warm)          # compiled before fast-start was installed
+    first = own_start(d, own)
+    assert first.path == own and first.outcome == "miss: no artifacts of small are kept for this user yet"
+    assert built(first, {"startup_plan/plan.json": b"plan"}).keep((str(own / MINE),)) == [
+        "startup_plan/plan.json", f"{MINE}/rank_0_0/backbone/model.py"]
+    assert own_start(d, own).outcome == "hit" and own_start(d, own).keep((str(own / MINE),)) == []
+
+    shutil.rmtree(own)
+    built(artifacts.Folder("", "", "", {}, own), {"startup_plan/plan.json": b"the engine's own plan"})
+    emptied = own_start(d, own)
+    assert emptied.outcome == "hit" and sorted(emptied.listing) == ["startup_plan/plan.json",
+                                                                     f"{MINE}/rank_0_0/backbone/model.py"]
+    assert (own / MINE / "rank_0_0/backbone/model.py").read_bytes() == b"graph" * 1000
+    assert (own / "startup_plan/plan.json").read_bytes() == b"the engine's own plan"
+    assert not (own / "modelinfos").exists() and sorted(p.name for p in own.iterdir()) == [
+        "startup_plan", "torch_compile_cache"]
+
+
+def test_a_set_kept_in_one_folder_is_a_named_miss_in_another(daemon, tmp_path):
+    """vLLM's files name their folder: a set made in one cache folder is not put in another."""
+    d = daemon()
+    built(own_start(d, tmp_path / "a"), {f"{MINE}/model.py": b"graph"}).keep((str(tmp_path / "a" / MINE),))
+    other = own_start(d, tmp_path / "b")
+    assert other.outcome.startswith("miss: the artifacts kept of small were made with other settings: cache folder: kept")
+    assert other.outcome.endswith(f"{str(tmp_path)[-31:]}/a, now {str(tmp_path)[:24]}...{str(tmp_path)[-31:]}/b")
+    assert not any(other.path.iterdir())
+
+
+def test_a_corrupted_set_adds_nothing_to_an_own_folder(daemon, tmp_path):
+    d, own = daemon(), tmp_path / "cache"
+    built(own_start(d, own), {f"{MINE}/model.py": b"graph" * 100}).keep((str(own / MINE),))
+    [tar] = daemon.state.glob("artifacts/gpu0/*/*.tar")
+    data = bytearray(tar.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    tar.write_bytes(bytes(data))
+    shutil.rmtree(own)
+    built(artifacts.Folder("", "", "", {}, own), OTHERS)
+    refused = own_start(d, own)
+    assert refused.outcome == "refused: the archive is not the bytes the daemon kept (its SHA-256 differs)"
+    assert sorted(artifacts._listing(own)) == sorted(OTHERS) and sorted(p.name for p in own.iterdir()) == [
+        "modelinfos", "torch_compile_cache"]            # nothing added, nothing left of the unpacking
+
+
 def test_a_set_whose_archive_is_gone_or_cut_is_dropped_and_the_miss_says_so(daemon):
     d = daemon()
     built(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS), COMPILED).keep()

@@ -67,6 +67,43 @@ def test_compiled_engines_start_from_the_artifacts_the_daemon_kept(tmp_path, che
     assert "vLLM starts from the artifacts the daemon kept" in engine("after")
 
 
+def test_an_engine_with_a_warm_cache_of_its_own_uses_it_and_an_emptied_one_gets_the_set(tmp_path, checkpoints,
+                                                                                       daemons):
+    """Where vLLM's own cache folder is writable, fast-start leaves it vLLM's: a cache warmed
+    without fast-start is used at the first start with fast-start (the daemon keeps this engine's
+    part of it), and the cache emptied (a container) gets it back. The CPU build compiles through
+    Inductor, whose cache this user keeps inside vLLM's folder."""
+    run, state, own = tmp_path / "run", tmp_path / "state", tmp_path / "vllm-cache"
+    state.mkdir(mode=0o700)
+    daemons(write_config(tmp_path / "fs.toml", run, [
+        {"name": "llama", "path": str(checkpoints["llama"]), "gpus": [0], "layout": "vllm",
+         "engine_version": vllm.__version__}]), env={"STATE_DIRECTORY": str(state)})
+    caches = {**COMPILE, "VLLM_CACHE_ROOT": str(own), "TORCHINDUCTOR_CACHE_DIR": str(own / "inductor"),
+              "TRITON_CACHE_DIR": str(own / "triton")}
+    reference, _ = run_engine(tmp_path / "default.log", checkpoints["llama"], eager=False, env=caches)
+    warm = artifacts._listing(own)
+    assert any(name.startswith("inductor/") for name in warm)
+
+    def engine(tag: str) -> str:
+        got, log = run_engine(tmp_path / f"{tag}.log", checkpoints["llama"], load_format="fast_start",
+                              extra={"socket_dir": str(run), "fallback": False}, eager=False, env=caches)
+        assert got["tokens"] == reference["tokens"] and got["ranks"][0]["source"] == "cache"
+        return log
+
+    first = engine("first")
+    assert ("no artifacts kept for these settings (no artifacts of llama are kept for this user yet); vLLM "
+            f"uses its own cache folder {own} as it finds it") in first
+    assert "the daemon keeps this engine's artifacts" in first
+    assert {n: s for n, s in artifacts._listing(own).items() if n.startswith("inductor/")} == {
+        n: s for n, s in warm.items() if n.startswith("inductor/")}         # it compiled nothing new
+    shutil.rmtree(own)
+    emptied = engine("emptied")
+    assert "vLLM starts from the artifacts the daemon kept for these settings" in emptied and str(own) in emptied
+    assert "vLLM added to the kept artifacts" not in emptied
+    assert {n for n in artifacts._listing(own) if n.startswith("inductor/")} == {
+        n for n in warm if n.startswith("inductor/")}
+
+
 def test_each_tp_rank_keeps_its_artifacts_with_its_own_gpus_daemon(tmp_path, checkpoints, daemons):
     """TP 2: each rank's worker process has its own folder and talks to its own GPU's daemon."""
     run, state = tmp_path / "run", tmp_path / "state"

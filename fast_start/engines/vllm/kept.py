@@ -1,21 +1,26 @@
 """What vLLM rebuilds at every start, kept by the daemon with the model's cache (`fast_start.artifacts`).
 
 vLLM keeps its torch.compile cache under `VLLM_CACHE_ROOT` (and, from the compile on, Inductor's
-and Triton's caches inside it), Triton's kernels before that under `TRITON_CACHE_DIR` and
-Inductor's under `TORCHINDUCTOR_CACHE_DIR`, below `$HOME` or `/tmp` by default. On a cache hit
-the loader points all three at the engine user's folder for this key (the same path at every
-start: vLLM's cache names files by absolute path), filled
-from the set the daemon kept for this engine's key (`hand_over`), before vLLM compiles: a
-sandboxed or containerized engine then starts from kept artifacts although its `$HOME` is
-neither writable nor kept. Once the engine has compiled and warmed up (`Worker.
-compile_or_warm_up_model`, wrapped by `register`), whatever the folder holds that the set did not
-is sent back (`keep_new`). One folder per daemon and key: a TP rank's worker is its own process
-and talks to its own GPU's daemon.
+and Triton's caches inside it), below `$HOME` by default. Where the engine can write there, it
+stays vLLM's folder (`own_cache`): a warm one starts exactly as without fast-start, and one
+emptied (a container, a reboot) gets what it lacks from the set the daemon kept for this
+engine's key (`hand_over`), before vLLM compiles. Where it cannot (a sandboxed engine), the
+loader points all three caches (Triton's and Inductor's are under `$HOME` and `/tmp` before the
+compile) at the engine user's folder for this key in the temp dir, filled from the set: the
+engine then starts from kept artifacts although its `$HOME` is neither writable nor kept. Either
+folder is the same path at every start (vLLM's cache names files by absolute path). Once the
+engine has compiled and warmed up (`Worker.compile_or_warm_up_model`, wrapped by `register`),
+the set is sent back if the engine added to it (`keep_new`): in vLLM's own folder, the folders
+of this engine's compile and any file new since its start. (vLLM's CPU build compiles through
+torch's Inductor, whose cache is `/tmp/torchinductor_<user>` unless `TORCHINDUCTOR_CACHE_DIR`
+puts it inside vLLM's folder: only then is it kept.) One folder per daemon and key: a TP
+rank's worker is its own process and talks to its own GPU's daemon.
 
 The key is what vLLM names its compile cache after, less the traced code, which only another
 vLLM changes: its config hash (`compute_hash`), its compile-relevant environment
-(`envs.compile_factors`), and vLLM's and torch's versions. The settings sent with it spell out
-the engine options that most often differ (`SETTINGS`), so that a miss names them.
+(`envs.compile_factors`), and vLLM's and torch's versions; and the folder's path. The settings
+sent with it spell out the engine options that most often differ (`SETTINGS`), so that a miss
+names them.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
+from pathlib import Path
 
 import torch
 import vllm
@@ -61,9 +68,21 @@ def identity(vllm_config) -> tuple[str, dict[str, str]]:
     return hashlib.sha256(json.dumps(keyed).encode()).hexdigest(), {**settings, **factors}
 
 
+def own_cache() -> Path | None:
+    """vLLM's cache folder (`VLLM_CACHE_ROOT`) if this engine can write in it, else None."""
+    from vllm import envs
+    root = Path(envs.VLLM_CACHE_ROOT)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=root).close()
+    except OSError:
+        return None
+    return root
+
+
 def hand_over(weights, vllm_config) -> None:
-    """Point this process's vLLM caches at a folder filled from the daemon's set for its key (once:
-    a speculative draft's load finds it done)."""
+    """Give this process's vLLM caches what they lack of the daemon's set for its key, in vLLM's
+    own folder or one in the temp dir (once: a speculative draft's load finds it done)."""
     global _folder
     if _folder is not None or weights.socket is None or weights.model is None:
         return
@@ -73,30 +92,41 @@ def hand_over(weights, vllm_config) -> None:
         log.info("fast-start: vLLM keeps its own caches: this vLLM does not name its compile factors (%s)", e)
         return
     try:
-        _folder = artifacts.hand_over(weights.socket, weights.model, key, settings)
+        _folder = artifacts.hand_over(weights.socket, weights.model, key, settings, own_cache())
     except artifacts.Unkept as e:
         log.info("fast-start: vLLM keeps its own caches: %s", e.what)
         return
-    for variable, name in POINTED.items():
-        os.environ[variable] = str(_folder.path / name)
-    if _folder.outcome == "hit":
+    if not _folder.own:
+        for variable, name in POINTED.items():
+            os.environ[variable] = str(_folder.path / name)
+    said(_folder)
+
+
+def said(folder: artifacts.Folder) -> None:
+    """The engine's log line for how its folder was filled."""
+    where = f"its own cache folder {folder.path}" if folder.own else f"fast-start's folder {folder.path}"
+    if folder.outcome == "hit":
         log.info("fast-start: vLLM starts from the artifacts the daemon kept for these settings (%d files, "
-                 "%.1f MiB)", len(_folder.listing), sum(_folder.listing.values()) / 2**20)
-    elif _folder.outcome.startswith("refused"):
-        log.warning("fast-start: the artifacts the daemon kept are %s; vLLM compiles anew", _folder.outcome)
+                 "%.1f MiB, in %s)", len(folder.listing), sum(folder.listing.values()) / 2**20, where)
+    elif folder.outcome.startswith("refused"):
+        log.warning("fast-start: the artifacts the daemon kept are %s; vLLM uses %s as it finds it",
+                    folder.outcome, where)
     else:
-        log.info("fast-start: no artifacts kept for these settings (%s); vLLM compiles anew and the daemon keeps "
-                 "what it makes", _folder.outcome.removeprefix("miss: "))
+        log.info("fast-start: no artifacts kept for these settings (%s); vLLM uses %s as it finds it, and the "
+                 "daemon keeps what it uses", folder.outcome.removeprefix("miss: "), where)
 
 
-def keep_new() -> None:
-    """Send the daemon what the folder gained since `hand_over` (nothing if the engine started
-    from the kept set without adding to it)."""
+def keep_new(compilation_config=None) -> None:
+    """Send the daemon the set if the engine added to it since `hand_over` (nothing if it started
+    from the kept set without adding to it). This engine's compile folders (`compilation_config`'s,
+    Inductor's and Triton's as vLLM set them) are kept where they are in vLLM's own folder."""
     if _folder is None:
         return
     hit = _folder.outcome == "hit"
+    ours = [getattr(compilation_config, name, "") for name in ("cache_dir", "local_cache_dir")]
+    ours += [os.environ.get(variable, "") for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")]
     try:
-        new = _folder.keep()
+        new = _folder.keep(tuple(str(p) for p in ours if p))
     except (FastStartError, OSError) as e:
         log.warning("fast-start: could not keep this engine's artifacts: %s", getattr(e, "what", e))
         return
@@ -127,6 +157,6 @@ def wrap_warm_up() -> None:
 def _then_keep(warm_up):
     def warmed(self, *args, **kwargs):
         result = warm_up(self, *args, **kwargs)
-        keep_new()
+        keep_new(getattr(getattr(self, "vllm_config", None), "compilation_config", None))
         return result
     return warmed
