@@ -1,24 +1,28 @@
 """A restart as the user pays it: a fresh `vllm serve` from exec to its first answered request.
 
-    python -m bench.serve_restart OUTDIR [--model qwen3-8b|tiny] [--repeat 3] [--kills N] [--api serve|llm]
+    python -m bench.serve_restart OUTDIR [--model qwen3-8b|tiny] [--repeat 3] [--emptied 1] [--kills N]
+                                         [--api serve|llm]
                                          [--env NAME=VALUE ...] [--default-only | --fast-start-only]
     python -m bench.serve_restart OUTDIR --plot     (phases read again from the logs, the picture again)
 
 Cases, in this order, each engine a fresh process at vLLM's defaults (torch.compile, CUDA graphs,
 its gpu_memory_utilization) unless `--eager` or `--utilization` say otherwise:
 
-- `default cold`: vLLM's own loader, every compile cache empty (vLLM's, Inductor's, Triton's: all
-  kept under WORK/caches for this run), as a first start on a machine;
+- `default cold`: vLLM's own loader, every compile cache emptied first (vLLM's, Inductor's,
+  Triton's: all kept under WORK/caches for this run), as a first start on a machine, `--repeat`
+  times;
 - `default warm`: the same, `--repeat` times, its caches kept;
 - then a daemon (`on_release = "drop"`, a fresh state directory) fills the model; `zero_copy
   first`: the first engine with `--load-format fast_start`, whose kept artifacts miss (the daemon
-  has none yet: vLLM compiles into fast-start's folder, not the caches above), then `zero_copy
-  warm` `--repeat` times, which start from the artifacts the daemon kept; `zero_copy supervised`:
-  the same engine under `python -m fast_start.supervise` (vLLM imported once, its engine process
-  forked), killed with -9 `--kills` times once it answers, each restart timed from its kill to
-  the next answer (serve only); `copy warm` `--repeat` times, the daemon filled again after each.
-  Each run records its kept artifacts' outcome (`artifacts`: hit, "hit, yet rebuilt" (vLLM
-  compiled anew from them), miss, refused or unkept, as the engine's fast-start lines say).
+  has none yet; vLLM's cache folder is writable, so vLLM uses it as the default runs left it),
+  then `zero_copy warm` and `copy warm` `--repeat` times each (the daemon filled again after each
+  copy), which start from the artifacts the daemon kept; `zero_copy emptied` `--emptied` times:
+  every cache emptied first (a reboot, a new container), so vLLM's folder gets the daemon's set;
+  `zero_copy supervised`: the same engine under `python -m fast_start.supervise` (vLLM imported
+  once, its engine process forked), killed with -9 `--kills` times once it answers, each restart
+  timed from its kill to the next answer (serve only). Each run records its kept artifacts'
+  outcome (`artifacts`: hit, "hit, yet rebuilt" (vLLM compiled anew from them), miss, refused or
+  unkept, as the engine's fast-start lines say).
 
 `--api llm` runs the same cases through `LLM()` and one `generate` instead of the server.
 Each run: the wall time from exec to the first answered request, and its phases as the engine's
@@ -307,6 +311,7 @@ def arguments() -> argparse.Namespace:
                     "its share of host memory")
     ap.add_argument("--kills", type=int, help="times the supervised engine is killed and restarted "
                     "(default: --repeat)")
+    ap.add_argument("--emptied", type=int, default=1, help="zero_copy starts with every cache emptied first")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                     help="set for every engine (e.g. VLLM_WORKER_MULTIPROC_METHOD=fork); named in the title")
     ap.add_argument("--default-only", action="store_true", help="the default loader's cases only, no daemon")
@@ -380,7 +385,9 @@ def main() -> None:
                    windowed(r.pop("lines"), r["window"]))
 
     if not args.fast_start_only:
-        run("default cold", 0)
+        for i in range(args.repeat):
+            shutil.rmtree(caches, ignore_errors=True)
+            run("default cold", i)
         for i in range(args.repeat):
             run("default warm", i)
     if not args.default_only:
@@ -396,11 +403,14 @@ def main() -> None:
             run("zero_copy first", 0, {**loader, "mode": "zero_copy"})
             for i in range(args.repeat):
                 run("zero_copy warm", i, {**loader, "mode": "zero_copy"})
-            if args.api == "serve":
-                run_supervised({**loader, "mode": "zero_copy"})
             for i in range(args.repeat):
                 run("copy warm", i, {**loader, "mode": "copy"})
                 d.cli("fill", "--gpu", "0", "--model", "m", "--wait", "600")
+            for i in range(args.emptied):
+                shutil.rmtree(caches)
+                run("zero_copy emptied", i, {**loader, "mode": "zero_copy"})
+            if args.api == "serve":
+                run_supervised({**loader, "mode": "zero_copy"})
         finally:
             d.stop()
     summary = summarize(runs, title)
