@@ -310,7 +310,7 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--utilization", type=float, help="gpu_memory_utilization (default: vLLM's); on the CPU, "
                     "its share of host memory")
     ap.add_argument("--kills", type=int, help="times the supervised engine is killed and restarted "
-                    "(default: --repeat)")
+                    "(default: --repeat; 0: no supervised case)")
     ap.add_argument("--emptied", type=int, default=1, help="zero_copy starts with every cache emptied first")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                     help="set for every engine (e.g. VLLM_WORKER_MULTIPROC_METHOD=fork); named in the title")
@@ -409,7 +409,7 @@ def main() -> None:
             for i in range(args.emptied):
                 shutil.rmtree(caches)
                 run("zero_copy emptied", i, {**loader, "mode": "zero_copy"})
-            if args.api == "serve":
+            if args.api == "serve" and args.kills != 0:
                 run_supervised({**loader, "mode": "zero_copy"})
         finally:
             d.stop()
