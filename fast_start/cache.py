@@ -123,7 +123,8 @@ class Cache:
                 del self.pending[name]
         self.metrics.zero("fast_start_refused_peers_total")
         for name in models:
-            for family in ("fast_start_fills_total", "fast_start_filled_bytes_total", "fast_start_readoptions_total"):
+            for family in ("fast_start_fills_total", "fast_start_filled_bytes_total", "fast_start_readoptions_total",
+                           "fast_start_failovers_total"):
                 self.metrics.zero(family, model=name)
             for mode in MODES:
                 self.metrics.zero("fast_start_cache_hits_total", model=name, mode=mode)
@@ -172,6 +173,8 @@ class Cache:
             return self.acquire(msg, peer)
         if isinstance(msg, protocol.Release):
             return _no(self.release(msg.lease, peer, msg.copied))
+        if isinstance(msg, protocol.Role):
+            return _no(self.assign(msg.lease, peer, msg.role))
         if isinstance(msg, protocol.Evict):
             if not peer.admin:
                 return _no(protocol.Error(f"uid {peer.uid} may not evict: that needs root, the daemon's user or a "
@@ -355,6 +358,20 @@ class Cache:
             self.evict(lease.model, "release")
         return protocol.Report(reports.body(reports.Released(lease_id, self.on_release)))
 
+    def assign(self, lease_id: int, peer: Peer, role: str):
+        """A lease's engine says its role; a standby woken after its model's serving engine died
+        is a failover: counted, and one line in the journal."""
+        with self.lock:
+            said = self.leases.assign(lease_id, peer.pid, role)
+        if isinstance(said, protocol.Error):
+            return said
+        log.info("lease %d on GPU %d: pid %d %s", lease_id, self.gpu, peer.pid, role)
+        if said is not None:
+            self.metrics.inc("fast_start_failovers_total", model=said.model)
+            log.info("failover: %s's serving engine (pid %d) died; standby pid %d serving %.3f s later",
+                     said.model, said.died, said.serving, said.seconds)
+        return protocol.Report(reports.body(reports.Assigned(lease_id, role)))
+
     def evict_request(self, model: str):
         with self.lock:
             if model and model not in self.entries:
@@ -435,7 +452,8 @@ class Cache:
                                   models=models, missing=missing, leases=leases, device=self.device,
                                   version=__version__, started_at=self.started, reloads=self.reloads,
                                   reload_error=self.reload_error, reload_began=self.reload_began,
-                                  memory=self._memory(now), artifacts=self.kept_artifacts(None if admin else peer.uid))
+                                  memory=self._memory(now), artifacts=self.kept_artifacts(None if admin else peer.uid),
+                                  failovers=self.leases.failovers, last_failover=self.leases.last_failover)
 
     def _memory(self, now: memory.Memory | None) -> reports.Memory:
         """The device's total and free memory (None where they cannot be told) and what this

@@ -270,7 +270,8 @@ def _status_table(states: list) -> None:
             if m is None:
                 table.add_row(str(s.gpu), "ready", "(none)", "", "", "", "", "-")
                 continue
-            held = [f"{lease.pid}:{lease.mode}" for lease in s.leases if lease.model == m.name]
+            held = [f"{lease.pid}:{lease.mode}" + ("" if lease.role == "serving" else f":{lease.role}")
+                    for lease in s.leases if lease.model == m.name]
             table.add_row(str(s.gpu), "ready", m.name, f"{m.rank}/{m.tensor_parallel_size}", f"{m.bytes / 2**30:.2f}",
                           m.fingerprint, "re-adopted" if m.adopted else str(m.fill_seconds), " ".join(held) or "-")
         for m in s.missing:
@@ -288,6 +289,11 @@ def _status_table(states: list) -> None:
             where = f"GPU {s.gpu}" + (" (host memory)" if s.device == "cpu" else "")
             out.print(f"{where}: {known}{size(mem.held)} held by the cache{free}, keep_free {size(mem.keep_free)}",
                       highlight=False)
+        last = getattr(s, "last_failover", None)
+        if last is not None:
+            out.print(f"GPU {s.gpu}: {s.failovers} failover(s); the last {_duration(time.time() - last.at)} ago: "
+                      f"{last.model}'s serving engine (pid {last.died}) died, standby pid {last.serving} serving "
+                      f"{last.seconds:.3f} s later", highlight=False)
         for m in getattr(s, "models", []):
             if m.note:
                 out.print(f"GPU {s.gpu} {m.name}: {m.note}", highlight=False)

@@ -372,6 +372,19 @@ def release(weights: Weights, connect_timeout: float = 5.0) -> None:
     weights.lease = None
 
 
+def tell_role(weights: Weights, role: str, connect_timeout: float = 5.0) -> None:
+    """Tell the daemon what the engine holding `weights`' lease does now (`protocol.ROLES`);
+    errors are logged: a role is the operator's view, never the engine's failure."""
+    if weights.lease is None or weights.socket is None:
+        return
+    try:
+        with connect(Path(weights.socket), connect_timeout) as conn:
+            request(conn, protocol.Hello(protocol.VERSION))
+            request(conn, protocol.Role(weights.lease, role))
+    except (FastStartError, OSError) as e:
+        log.warning("fast-start: could not tell %s that lease %d is %s: %s", weights.socket, weights.lease, role, e)
+
+
 def load_into(module: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> torch.nn.Module:
     """Replace a `meta` module's parameters and persistent buffers with `weights`, keeping ties.
 

@@ -5,6 +5,10 @@ a process that asks again for a model it already maps in `zero_copy` gets its le
 process holds at most `MAX_LEASES_PER_PROCESS` leases, a uid has leases in at most
 `Limits.processes_per_uid` processes, and all processes together fit the daemon's fd budget.
 
+Each lease carries its engine's role, as the engine's worker says it (`assign`): serving, a
+standby asleep (vLLM's sleep mode), waking. A standby that wakes to serve after the serving
+engine of its model died is a failover, timed from that death as the pidfd told it.
+
 Not locked itself: the cache calls it under its own lock.
 """
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import protocol
-from .reports import Lease
+from .reports import Failover, Lease
 from .trust import Peer
 
 log = logging.getLogger("fast_start.daemon")
@@ -45,6 +49,9 @@ class Leases:
         self.held: dict[int, Lease] = {}
         self.procs: dict[int, Process] = {}
         self.next_id = 1
+        self.deaths: dict[str, tuple[float, int]] = {}     # model -> (time, pid) its serving engine last died
+        self.asleep: dict[int, float] = {}      # lease -> when its engine last went to standby
+        self.failovers, self.last_failover = 0, None
 
     def take(self, peer: Peer, model: str, mode: str, where: str) -> Lease | protocol.Error:
         """A lease for `peer` on `model`: its existing zero_copy one, or a new one (tracked where
@@ -84,6 +91,7 @@ class Leases:
     def drop(self, lease: Lease) -> None:
         """End `lease`; its process's pidfd closes with its last lease."""
         self.held.pop(lease.id, None)
+        self.asleep.pop(lease.id, None)
         proc = self.procs.get(lease.pid)
         if proc is not None:
             proc.leases.discard(lease.id)
@@ -101,8 +109,30 @@ class Leases:
         if proc is not None:
             ended = sorted(proc.leases)
             for lid in ended:
+                if self.held[lid].role == "serving":
+                    self.deaths[self.held[lid].model] = (time.time(), proc.pid)
                 self.drop(self.held[lid])
             log.info("pid %d (uid %d) exited: lease(s) %s ended", proc.pid, proc.uid, ", ".join(map(str, ended)))
+
+    def assign(self, lease_id: int, pid: int, role: str) -> Failover | protocol.Error | None:
+        """Lease `lease_id`'s engine now has `role`, as pid `pid` (its holder) says: the failover
+        it ends, if it does."""
+        lease = self.held.get(lease_id)
+        if lease is None or lease.pid != pid:
+            return protocol.Error(f"lease {lease_id} is not held by pid {pid}", "say the role of a lease your "
+                                  "process acquired")
+        if role not in protocol.ROLES:
+            return protocol.Error(f"{role!r} is not a role", f"say one of {', '.join(protocol.ROLES)}")
+        now, failover = time.time(), None
+        died, dead = self.deaths.get(lease.model, (0.0, 0))
+        if role == "standby":
+            self.asleep[lease_id] = now
+        elif role == "serving" and lease.role != "serving" and died > self.asleep.get(lease_id, now):
+            failover = Failover(lease.model, dead, pid, round(now - died, 3), now)
+            self.failovers, self.last_failover = self.failovers + 1, failover
+            del self.deaths[lease.model]
+        self.held[lease_id] = lease._replace(role=role)
+        return failover
 
     def on(self, model: str) -> int:
         """How many leases `model` has."""

@@ -24,6 +24,8 @@ FAMILIES = {
     "fast_start_evictions_total": ("counter", "Models dropped from the cache, by reason.", ("gpu", "model", "reason")),
     "fast_start_artifacts_total": ("counter", "Engines' artifacts (compiled graphs, kernels) handed over (hit), not "
                                    "kept for their settings (miss) and kept.", ("gpu", "model", "event")),
+    "fast_start_failovers_total": ("counter", "Standby engines woken to serve after the serving engine of their "
+                                   "model died.", ("gpu", "model")),
     "fast_start_refused_peers_total": ("counter", "Connections refused (credentials or limits).", ("gpu",)),
     "fast_start_cached_bytes": ("gauge", "Bytes of the model held in the cache.", ("gpu", "model")),
     "fast_start_leases": ("gauge", "Leases engines hold on the model.", ("gpu", "model")),

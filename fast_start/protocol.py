@@ -136,6 +136,15 @@ class Release(Message):
     copied: bool = False          # a copy-mode engine holds every fd of the reply: the hand-over is done
 
 
+class Role(Message):              # an engine's worker: what its engine does now (vLLM's sleep mode)
+    kind = "role"
+    lease: int
+    role: str                     # ROLES
+
+
+ROLES = ("serving", "standby", "waking")
+
+
 class Evict(Message):
     kind = "evict"
     model: str = ""               # "" evicts every model
@@ -283,11 +292,11 @@ class Verified(Message):                   # worker -> daemon
 
 
 KINDS = {c.kind: c for c in (
-    Hello, Status, Fingerprints, Acquire, Release, Evict, Evictions, Fill, Metrics, Welcome, Report, Acquired, Fds, Miss, Error,
+    Hello, Status, Fingerprints, Acquire, Release, Role, Evict, Evictions, Fill, Metrics, Welcome, Report, Acquired, Fds, Miss, Error,
     Artifacts, KeptArtifacts, Keep,
     Progress, Filled, WorkerHello, CheckJob, Checked, FillJob, VerifyJob, Verified)}
 JOBS = ("check_job", "fill_job", "verify_job")
-REQUESTS = ("hello", "status", "fingerprints", "acquire", "release", "evict", "evictions", "fill", "metrics",
+REQUESTS = ("hello", "status", "fingerprints", "acquire", "release", "role", "evict", "evictions", "fill", "metrics",
             "artifacts", "keep")
 ARTIFACTS = ("artifacts", "keep")
 _TYPES = {"int": int, "str": str, "dict": dict, "list": list, "float": (int, float), "bool": bool}

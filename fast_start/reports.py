@@ -62,6 +62,15 @@ class Lease(NamedTuple):
     model: str
     mode: str
     since: float
+    role: str = "serving"               # its engine's, as its worker last said (`protocol.ROLES`)
+
+
+class Failover(NamedTuple):             # a standby woken after the serving engine of its model died
+    model: str
+    died: int                           # the pid whose lease ended
+    serving: int                        # the woken standby's
+    seconds: float                      # from the death the daemon saw to the standby awake
+    at: float                           # time.time() when it woke
 
 
 class Status(NamedTuple):
@@ -79,6 +88,8 @@ class Status(NamedTuple):
     reload_began: float = 0.0           # when the last finished reload began to read the config (time.time())
     memory: Memory | None = None
     artifacts: list[KeptSets] | None = None     # engines' kept artifacts: all users' for admins, else the peer's
+    failovers: int = 0                  # since the daemon started
+    last_failover: Failover | None = None
 
 
 class Progress(NamedTuple):             # a fill under way, as the daemon last reported it
@@ -139,6 +150,11 @@ class Metrics(NamedTuple):
 class Released(NamedTuple):             # a copy-mode engine's release
     released: int                       # the lease
     on_release: str
+
+
+class Assigned(NamedTuple):             # a lease's role, as its engine said it
+    lease: int
+    role: str
 
 
 class Evicted(NamedTuple):

@@ -17,7 +17,8 @@ import tempfile
 
 import pytest
 
-from devtools.harness import free_port
+from devtools.harness import free_port, write_config
+from probe import status
 from fast_start.standby import group_of
 from test_supervise import SUPERVISE, Supervised, alive, answer, tiny_model, write_module
 
@@ -175,19 +176,27 @@ def test_a_connection_made_while_no_engine_serves_waits_for_the_next(tmp_path):
         stopped(s)
 
 
-def test_a_vllm_server_whose_engine_core_is_killed_fails_over_to_its_standby_with_the_same_tokens(tmp_path):
-    """vLLM's CPU build (its sleep frees nothing on the CPU, yet pauses the scheduler as on a GPU)."""
-    pytest.importorskip("vllm")
+def test_a_vllm_server_whose_engine_core_is_killed_fails_over_to_its_standby_with_the_same_tokens(tmp_path,
+                                                                                                 daemons):
+    """vLLM's CPU build (its sleep frees nothing on the CPU, yet pauses the scheduler as on a GPU),
+    both engines on a daemon's weights in zero_copy: the daemon shows their roles and the failover."""
+    vllm = pytest.importorskip("vllm")
     model = tiny_model(tmp_path / "tiny")
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [
+        {"name": "tiny", "path": str(model), "gpus": [0], "layout": "vllm", "engine_version": vllm.__version__}])
+    d = daemons(cfg)
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="fs-")        # short: vLLM's sockets live there, named within 107 bytes
     env = {**write_module(tmp_path / "mods", "unused", ""), "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": tmp}
     s = Supervised(["--standby", f"127.0.0.1:{port}", "--", "-m", "vllm.entrypoints.openai.api_server", "--model",
                     str(model), "--enforce-eager", "--max-model-len", "256", "--kv-cache-memory-bytes",
-                    str(64 << 20)], env, tmp_path / "out.log")
+                    str(64 << 20), "--load-format", "fast_start", "--model-loader-extra-config",
+                    json.dumps({"socket_dir": str(tmp_path / "run"), "fallback": False})], env, tmp_path / "out.log")
     try:
         serving, standby = roles(s)
         want = answer(s, port, model)
+        holders = {engine: holder(d, engine) for engine in (serving, standby)}
+        assert leases(d) == {holders[serving]: "serving", holders[standby]: "standby"}
         old = group_of(serving)
         core = next(p for p in old if open(f"/proc/{p}/cmdline").read().startswith("VLLM::EngineCore"))
         os.kill(core, signal.SIGKILL)
@@ -195,11 +204,25 @@ def test_a_vllm_server_whose_engine_core_is_killed_fails_over_to_its_standby_wit
                    r"serving")
         assert answer(s, port, model) == want
         assert not any(alive(p) for p in old)
-        assert roles(s, 2)[0] == standby
+        serving_now, next_standby = roles(s, 2)
+        assert serving_now == standby
+        assert leases(d) == {holders[standby]: "serving", holder(d, next_standby): "standby"}
+        last = status(d)["last_failover"]
+        assert (last["died"], last["serving"], status(d)["failovers"]) == (holders[serving], holders[standby], 1)
         assert sum("imported in" in ln for ln in s.lines if ln) == 1
     finally:
         stopped(s)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def holder(d, engine: int) -> int:
+    """The process of the engine's group that holds its lease (its worker)."""
+    [pid] = set(group_of(engine)) & set(leases(d))
+    return pid
+
+
+def leases(d) -> dict[int, str]:
+    return {lease["pid"]: lease["role"] for lease in status(d)["leases"]}
 
 
 def test_an_address_it_cannot_listen_on_is_named_with_the_fix(tmp_path):

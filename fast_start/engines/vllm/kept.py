@@ -140,17 +140,8 @@ def keep_new(compilation_config=None) -> None:
                  len(new), size)
 
 
-def wrap_warm_up() -> None:
-    """The platform's worker's `compile_or_warm_up_model` followed by `keep_new` (only this
-    platform's worker module is imported: the CPU one sets up shared memory as it loads)."""
-    import importlib
-    from vllm.platforms import current_platform
-    module, name = (("vllm.v1.worker.cpu_worker", "CPUWorker") if current_platform.is_cpu()
-                    else ("vllm.v1.worker.gpu_worker", "Worker"))
-    try:
-        worker = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):      # a build without that worker
-        return
+def wrap_warm_up(worker) -> None:
+    """The worker class's `compile_or_warm_up_model`, followed by `keep_new`."""
     worker.compile_or_warm_up_model = _then_keep(worker.compile_or_warm_up_model)
 
 

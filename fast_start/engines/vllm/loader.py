@@ -60,7 +60,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from . import attention as vllm_attention, compat, kept, rules as vllm_rules, state as vllm_state
+from . import attention as vllm_attention, compat, kept, roles, rules as vllm_rules, state as vllm_state
 from . import ENGINE
 from .install import prepare
 from .record import FillRecord
@@ -84,8 +84,24 @@ def register() -> None:
         counts_itself = not compat.current().COUNTS_MAPPED_WEIGHTS
         _wrap_runners(count=counts_itself)
         _wrap_startup_check(counts_itself)
-        kept.wrap_warm_up()
+        worker = _platform_worker()
+        if worker is not None:
+            kept.wrap_warm_up(worker)
+            roles.wrap(worker)
         _registered = True
+
+
+def _platform_worker():
+    """vLLM's worker class of this platform; None in a build without it (only this platform's
+    worker module is imported: the CPU one sets up shared memory as it loads)."""
+    import importlib
+    from vllm.platforms import current_platform
+    module, name = (("vllm.v1.worker.cpu_worker", "CPUWorker") if current_platform.is_cpu()
+                    else ("vllm.v1.worker.gpu_worker", "Worker"))
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
 
 
 _excluded: dict = {}        # what the start-up check left out: {"bytes", "free", "requested"}
@@ -413,6 +429,7 @@ class FastStartLoader(BaseModelLoader):
                  len(weights), nbytes / 2**20, record.stage, rank, o.mode, fetched,
                  "meta" if on_meta else "the device", built, prepared, cpu, fetched + built + prepared)
         model.fast_start_source = weights.source
+        roles.holding(weights)
         if o.artifacts:
             kept.hand_over(weights, vllm_config)
         if o.mode == "zero_copy":       # read by _count_mapped_weights on vLLM < 0.32
