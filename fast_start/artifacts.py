@@ -225,6 +225,7 @@ def _unpack(f, sha256: str, root: Path) -> tuple[str, dict[str, int]]:
     """Unpack the tar `f` into the empty folder `root` if its bytes are the daemon's: why it was
     refused, or "" if it was whole and safe; its files (name -> size)."""
     digest = hashlib.sha256()
+    f.seek(0)
     while chunk := f.read(CHUNK):
         digest.update(chunk)
     if digest.hexdigest() != sha256:
