@@ -13,6 +13,8 @@ valid), and the front joins them to it; the dead engine's processes are killed a
 new standby starts. A death is that of the engine's server (the forked child) or of a process
 of its group titled as vital (`VITAL`: vLLM's engine core and workers); a helper that ends on
 its own is not one. Roles and each failover are one line each on stderr (the unit's journal).
+Both engines answer only from the daemon's weights: a command that would let a miss load from
+disk is refused (`off_the_cache`).
 
 vLLM's `/sleep` and `/wake_up` need `VLLM_SERVER_DEV_MODE=1`, which the supervisor sets: they
 are reachable through the public address too, so keep it where only trusted clients reach.
@@ -20,6 +22,7 @@ are reachable through the public address too, so keep it where only trusted clie
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import select
 import shutil
@@ -82,6 +85,26 @@ class Engine:
         for fd in self.watched:
             os.close(fd)
         self.watched.clear()
+
+
+def off_the_cache(command: list[str]) -> str:
+    """Why engines of `command` could answer from weights other than the daemon's ("" if they
+    cannot): a standby serves only the cache's, so a miss must fail the engine, not load from disk."""
+    given: dict[str, str] = {}
+    for i, word in enumerate(command):
+        name, eq, value = word.partition("=")
+        name = name.replace("_", "-")
+        if name in ("--load-format", "--model-loader-extra-config"):
+            given[name] = value if eq else (command[i + 1] if i + 1 < len(command) else "")
+    try:
+        extra = json.loads(given.get("--model-loader-extra-config") or "{}")
+    except ValueError:
+        extra = None
+    if given.get("--load-format") != "fast_start" or not isinstance(extra, dict) or extra.get("fallback") is not False:
+        return ("a standby serves only the daemon's weights, and these engines would load from disk on a miss: "
+                "add --load-format fast_start --model-loader-extra-config '{\"fallback\": false}' (with the "
+                "config's other keys) to the engine's command")
+    return ""
 
 
 def vital(pid: int) -> bool:

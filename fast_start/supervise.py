@@ -222,6 +222,10 @@ def arguments(argv: list[str]) -> argparse.Namespace:
     args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not args.command:
         ap.error("give the engine's command after --: -- vllm serve MODEL ... or -- -m MODULE ...")
+    if args.standby:
+        from .standby import off_the_cache
+        if why := off_the_cache(args.command):
+            ap.error(why)
     return args
 
 

@@ -60,6 +60,10 @@ Server(path, Handler).serve_forever()
 """
 
 
+# What a standby's engines must be given (the test engine ignores it): the daemon's weights or none.
+CACHE_ONLY = ["--load-format", "fast_start", "--model-loader-extra-config", '{"fallback": false}']
+
+
 def who(port: int) -> dict:
     """The answer of whichever engine the front joins this connection to."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
@@ -80,7 +84,8 @@ def engine_with_standby(tmp_path, fifo: str = "") -> tuple[Supervised, int, obje
         os.mkfifo(path)
         env[f"ENGINE_{fifo.upper()}"] = str(path)
     port = free_port()
-    return Supervised(["--standby", f"127.0.0.1:{port}", "--", "-m", "engine"], env, tmp_path / "out.log"), port, path
+    return Supervised(["--standby", f"127.0.0.1:{port}", "--", "-m", "engine", *CACHE_ONLY], env,
+                      tmp_path / "out.log"), port, path
 
 
 def stopped(s: Supervised) -> int:
@@ -229,11 +234,24 @@ def test_an_address_it_cannot_listen_on_is_named_with_the_fix(tmp_path):
     env = write_module(tmp_path / "mods", "engine", ENGINE)
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        out = subprocess.run([*SUPERVISE, "--standby", f"127.0.0.1:{port}", "--", "-m", "engine"], env=env,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run([*SUPERVISE, "--standby", f"127.0.0.1:{port}", "--", "-m", "engine", *CACHE_ONLY],
+                             env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr
     assert (f"fast-start: cannot listen on 127.0.0.1:{port} for --standby: Address already in use; give a free "
             "address (another server on the port?)") in out.stderr
     out = subprocess.run([*SUPERVISE, "--standby", "8000", "--", "-m", "engine"], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "'8000' is not HOST:PORT (e.g. 0.0.0.0:8000, [::]:8000)" in out.stderr
+
+
+@pytest.mark.parametrize("flags", [[], ["--load-format", "fast_start"], ["--load_format=fast_start",
+                                   '--model-loader-extra-config={"fallback": true}'],
+                                   ["--load-format", "auto", "--model-loader-extra-config", '{"fallback": false}'],
+                                   ["--load-format", "fast_start", "--model-loader-extra-config", "{fallback"]])
+def test_engines_that_could_answer_from_disk_weights_are_refused_with_the_flags_to_add(tmp_path, flags):
+    env = write_module(tmp_path / "mods", "engine", ENGINE)
+    out = subprocess.run([*SUPERVISE, "--standby", "127.0.0.1:8000", "--", "-m", "engine", *flags], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and ("a standby serves only the daemon's weights, and these engines would load from "
+                                    "disk on a miss: add --load-format fast_start --model-loader-extra-config "
+                                    "'{\"fallback\": false}'") in out.stderr, out.stderr
