@@ -14,7 +14,7 @@ the tensors came from (the shards, the index, config.json): device, inode, size 
 If the kernel's event queue overflows, events were lost and any file may have been written:
 every watched model then counts as written. What this cannot see: a rewrite that keeps the size
 and restores the mtime (`touch -d`) where no inotify event arrives (a change made on another NFS
-client); the README says so.
+client); docs/operations.md says so.
 Stdlib only: the daemon's serving process never imports torch for this.
 """
 from __future__ import annotations
