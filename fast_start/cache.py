@@ -203,31 +203,13 @@ class Cache:
         pins the bytes the rest of the fingerprint is read from; the engine checks the reply's
         fingerprint against its own). Anything else gets `_PARTIAL_MISS`, neither logged nor
         counted: the engine asks again with the whole fingerprint, and that answer says why."""
-        if msg.protocol and msg.protocol != protocol.VERSION:
-            return _no(protocol.Error(f"protocol version {msg.protocol} is not spoken here (daemon speaks "
-                                      f"{protocol.VERSION})", "use a fast-start client of the daemon's version"))
-        if msg.mode not in MODES or msg.manifest not in ("table", "json") or msg.purpose not in ("engine", "verify"):
-            return _no(protocol.Error(f"mode {msg.mode!r}, manifest form {msg.manifest!r} or purpose {msg.purpose!r} "
-                                      "is unknown", f"use a mode of {', '.join(MODES)}, manifest \"table\" or "
-                                      "\"json\" and purpose \"engine\" or \"verify\""))
-        if msg.device and msg.device != self.device:
-            return _no(protocol.Miss(f"this daemon serves {self.device}, not {msg.device}", ["device"]))
-        try:
-            want = Fingerprint.from_dict(msg.fingerprint)
-        except (ValueError, TypeError) as e:
-            return _no(protocol.Error(f"fingerprint is malformed: {e}", "send all fingerprint fields"))
-        with self.lock:
-            best = min(self.entries.values(), default=None, key=lambda e: (
-                len(e.manifest.fingerprint.diff(want, msg.partial)), e.files != msg.files, e.model.name))
-            if best is None or best.manifest.fingerprint.diff(want, msg.partial):
-                return _no(_PARTIAL_MISS if msg.partial else self._missed(peer, self._miss(want, best)))
-        if msg.files != best.files:
-            return _no(_PARTIAL_MISS if msg.partial else self._missed(peer, self._files_miss(best, msg.files)))
-        denied = self._unreadable(peer, best, msg.path)
-        if denied:      # knowing the fingerprint and the files' identities is not reading them
-            return _no(self._missed(peer, protocol.Miss(f"uid {peer.uid} cannot read {denied}", ["access"],
-                                                        best.model.name, "let that user read the checkpoint")))
-        refused = self._no_room_for_copy(best) if msg.mode == "copy" else None
+        want = self._wanted(msg)
+        if not isinstance(want, Fingerprint):
+            return _no(want)
+        best = self._match(msg, want, peer)
+        if not isinstance(best, Entry):
+            return _no(best)
+        refused = self._authorize(msg, peer, best)
         if refused:
             return _no(self._missed(peer, refused))
         with self.lock:
@@ -249,6 +231,43 @@ class Cache:
             reply = protocol.Acquired(lease.id, best.model.name, best.head, len(best.table),
                                       len(best.fds)).attach(best.table)
         return reply, best.fds, lambda sent: self._sent(best, lease, sent or lease.id < first_new)
+
+    def _wanted(self, msg: protocol.Acquire) -> Fingerprint | protocol.Error | protocol.Miss:
+        """The fingerprint an acquire asks for, or why it cannot be served as asked."""
+        if msg.protocol and msg.protocol != protocol.VERSION:
+            return protocol.Error(f"protocol version {msg.protocol} is not spoken here (daemon speaks "
+                                  f"{protocol.VERSION})", "use a fast-start client of the daemon's version")
+        if msg.mode not in MODES or msg.manifest not in ("table", "json") or msg.purpose not in ("engine", "verify"):
+            return protocol.Error(f"mode {msg.mode!r}, manifest form {msg.manifest!r} or purpose {msg.purpose!r} "
+                                  "is unknown", f"use a mode of {', '.join(MODES)}, manifest \"table\" or "
+                                  "\"json\" and purpose \"engine\" or \"verify\"")
+        if msg.device and msg.device != self.device:
+            return protocol.Miss(f"this daemon serves {self.device}, not {msg.device}", ["device"])
+        try:
+            return Fingerprint.from_dict(msg.fingerprint)
+        except (ValueError, TypeError) as e:
+            return protocol.Error(f"fingerprint is malformed: {e}", "send all fingerprint fields")
+
+    def _match(self, msg: protocol.Acquire, want: Fingerprint, peer: Peer) -> Entry | protocol.Miss:
+        """The entry that holds `want` from the engine's very files, or the miss (a partial request's
+        is `_PARTIAL_MISS`, neither logged nor counted)."""
+        with self.lock:
+            best = min(self.entries.values(), default=None, key=lambda e: (
+                len(e.manifest.fingerprint.diff(want, msg.partial)), e.files != msg.files, e.model.name))
+            if best is None or best.manifest.fingerprint.diff(want, msg.partial):
+                return _PARTIAL_MISS if msg.partial else self._missed(peer, self._miss(want, best))
+        if msg.files != best.files:
+            return _PARTIAL_MISS if msg.partial else self._missed(peer, self._files_miss(best, msg.files))
+        return best
+
+    def _authorize(self, msg: protocol.Acquire, peer: Peer, best: Entry) -> protocol.Miss | None:
+        """Why `peer` may not have `best` as asked: a checkpoint it cannot read (knowing the
+        fingerprint and the files' identities is not reading them), or no room for its copy."""
+        denied = self._unreadable(peer, best, msg.path)
+        if denied:
+            return protocol.Miss(f"uid {peer.uid} cannot read {denied}", ["access"], best.model.name,
+                                 "let that user read the checkpoint")
+        return self._no_room_for_copy(best) if msg.mode == "copy" else None
 
     @staticmethod
     def _unreadable(peer: Peer, entry: Entry, theirs: str) -> str | None:
