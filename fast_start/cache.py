@@ -32,7 +32,6 @@ from .trust import Peer
 
 log = logging.getLogger("fast_start.daemon")
 
-MODES = ("zero_copy", "copy")
 MODEL_STATES = ("cached", "filling", "no_room", "stale", "failed", "evicted", "missing")   # fast_start_model_state
 # The reasons a miss and an eviction are counted by (`fast-start metrics`): each configured model's
 # counters are there from the start, at 0, so that a rate or an alert sees them before any event.
@@ -126,7 +125,7 @@ class Cache:
             for family in ("fast_start_fills_total", "fast_start_filled_bytes_total", "fast_start_readoptions_total",
                            "fast_start_failovers_total"):
                 self.metrics.zero(family, model=name)
-            for mode in MODES:
+            for mode in protocol.MODES:
                 self.metrics.zero("fast_start_cache_hits_total", model=name, mode=mode)
             for reason in MISS_REASONS:
                 self.metrics.zero("fast_start_cache_misses_total", model=name, reason=reason)
@@ -237,9 +236,10 @@ class Cache:
         if msg.protocol and msg.protocol != protocol.VERSION:
             return protocol.Error(f"protocol version {msg.protocol} is not spoken here (daemon speaks "
                                   f"{protocol.VERSION})", "use a fast-start client of the daemon's version")
-        if msg.mode not in MODES or msg.manifest not in ("table", "json") or msg.purpose not in ("engine", "verify"):
+        if msg.mode not in protocol.MODES or msg.manifest not in ("table", "json") \
+                or msg.purpose not in ("engine", "verify"):
             return protocol.Error(f"mode {msg.mode!r}, manifest form {msg.manifest!r} or purpose {msg.purpose!r} "
-                                  "is unknown", f"use a mode of {', '.join(MODES)}, manifest \"table\" or "
+                                  "is unknown", f"use a mode of {', '.join(protocol.MODES)}, manifest \"table\" or "
                                   "\"json\" and purpose \"engine\" or \"verify\"")
         if msg.device and msg.device != self.device:
             return protocol.Miss(f"this daemon serves {self.device}, not {msg.device}", ["device"])

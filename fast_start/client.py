@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fast_start")
 
-MODES = ("zero_copy", "copy")
+MODES = protocol.MODES
 FRESH_S = 1.0       # a connection older than this when its request is ready is made anew (daemons cut idle ones)
 
 

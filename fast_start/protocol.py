@@ -143,6 +143,7 @@ class Role(Message):              # an engine's worker: what its engine does now
 
 
 ROLES = ("serving", "standby", "waking")
+MODES = ("zero_copy", "copy")   # how an engine takes the cache's tensors: maps them, or clones them
 
 
 class Evict(Message):
