@@ -133,11 +133,11 @@ class Standby:
         self.main, self.argv, self.restarts = main, argv, restarts
         self.failures = Failures()
         self.code = 0
-        self.folder = tempfile.mkdtemp(prefix="fast-start-standby-")
         self.engines: list[Engine] = []
         self.started = 0
         self.stopping = False
-        self.front = self._front(listen)
+        self.front = self._front(listen)            # first: an address it cannot listen on leaves nothing behind
+        self.folder = tempfile.mkdtemp(prefix="fast-start-standby-")
         self.front_fd = os.pidfd_open(self.front.pid)
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self.wake_w)

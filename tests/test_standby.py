@@ -232,6 +232,8 @@ def leases(d) -> dict[int, str]:
 
 def test_an_address_it_cannot_listen_on_is_named_with_the_fix(tmp_path):
     env = write_module(tmp_path / "mods", "engine", ENGINE)
+    env["TMPDIR"] = str(tmp_path / "tmp")           # where its engines' sockets would be
+    (tmp_path / "tmp").mkdir()
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         out = subprocess.run([*SUPERVISE, "--standby", f"127.0.0.1:{port}", "--", "-m", "engine", *CACHE_ONLY],
@@ -239,6 +241,7 @@ def test_an_address_it_cannot_listen_on_is_named_with_the_fix(tmp_path):
     assert out.returncode == 1, out.stderr
     assert (f"fast-start: cannot listen on 127.0.0.1:{port} for --standby: Address already in use; give a free "
             "address (another server on the port?)") in out.stderr
+    assert list((tmp_path / "tmp").iterdir()) == []
     out = subprocess.run([*SUPERVISE, "--standby", "8000", "--", "-m", "engine"], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and "'8000' is not HOST:PORT (e.g. 0.0.0.0:8000, [::]:8000)" in out.stderr
