@@ -168,7 +168,7 @@ def fill(folder: Folder, reply, kept: int | None) -> None:
     else:
         with open(kept, "rb", closefd=False) as f:
             why, files = _unpack_missing(f, reply.sha256, folder.path)
-        folder.outcome, folder.listing = (f"refused: {why}", {}) if why else ("hit", files)
+        folder.outcome, folder.listing = f"refused: {why}" if why else "hit", files
         if not why:
             folder.remember(reply.sha256)
     folder.before = _listing(folder.path)
@@ -209,14 +209,14 @@ def _unpack_missing(f, sha256: str, root: Path) -> tuple[str, dict[str, int]]:
     staging = Path(tempfile.mkdtemp(prefix=UNPACKING, dir=root))
     try:
         why, files = _unpack(f, sha256, staging)
-        for name in [] if why else files:
+        for name in files:          # none where it was refused
             target = root / name
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.link(staging / name, target)
             except FileExistsError:         # the engine's own, or another engine's just now: left as it is
                 pass
-        return why, {} if why else files
+        return why, files
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
