@@ -34,7 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from .supervise import STOPS, WINDOW_S, Failures, child, say
+from .supervise import STOPS, WINDOW_S, Failures, child, children, say
 
 STARTING, STANDBY, SERVING = "starting", "standby", "serving"
 POLL_S = 0.2        # how often a starting engine is asked whether it listens yet
@@ -219,18 +219,30 @@ class Standby:
                 f"{time.monotonic() - noticed:.2f} s later")
 
     def bury(self, engine: Engine) -> None:
-        """Kill and reap every process of the engine's group."""
-        try:
-            os.killpg(engine.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """Kill and reap every process of the engine's group, and every orphan an engine left (one
+        that left its group and whose parent died: the supervisor, their subreaper, is its parent)."""
+        self.engines.remove(engine)
+        keep = {e.pid for e in self.engines} | {self.front.pid}
         while True:
+            orphans = [pid for pid in children() if pid not in keep]
+            for pid in (-engine.pid, *orphans):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             try:
                 os.waitpid(-engine.pid, 0)
+                continue
             except ChildProcessError:
+                pass
+            if not orphans:
                 break
+            for pid in orphans:
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
         engine.close()
-        self.engines.remove(engine)
 
     def step(self) -> None:
         """Wait for a death, a signal, or (while an engine starts) the next look at it; act on it."""

@@ -107,7 +107,7 @@ def reap_all(group: int) -> None:
     """Kill the engine's process group and whatever else it left (the supervisor is their subreaper),
     and reap them all: the GPU is free when this returns."""
     while True:
-        for pid in (-group, *_children()):
+        for pid in (-group, *children()):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -118,7 +118,7 @@ def reap_all(group: int) -> None:
             return
 
 
-def _children() -> list[int]:
+def children() -> list[int]:
     """The supervisor's living children (an engine's orphans are reparented here)."""
     out = []
     for task in os.listdir("/proc/self/task"):

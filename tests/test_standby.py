@@ -28,6 +28,11 @@ path = sys.argv[sys.argv.index("--uds") + 1]
 state = {"asleep": False}
 if os.environ.get("ENGINE_GATE"):          # a FIFO: the engine listens once the test has opened it for it
     open(os.environ["ENGINE_GATE"]).read()
+if os.environ.get("ENGINE_ORPHAN") and os.fork() == 0:     # a careless helper: out of the engine's group
+    os.setsid()
+    print(f"test engine {os.getppid()} left orphan {os.getpid()}", flush=True)
+    open(os.environ["ENGINE_ORPHAN"]).read()
+    os._exit(0)
 if os.environ.get("ENGINE_HELPER"):        # a helper in the engine's group that ends once the test opens this FIFO
     import subprocess
     subprocess.Popen([sys.executable, "-c", f"open({os.environ['ENGINE_HELPER']!r}).read()"])
@@ -128,6 +133,22 @@ def test_the_standby_answers_once_the_serving_engine_dies_and_a_new_one_stands_b
         code = stopped(s)
     assert code in (0, -signal.SIGTERM)
     assert not any(alive(p) for p in (standby, next_standby))
+
+
+def test_the_orphan_a_dead_engine_left_outside_its_group_is_killed_and_reaped(tmp_path):
+    """A helper that left the engine's process group (setsid) outlives it as the supervisor's orphan:
+    the failover kills and reaps it with the engine; the serving engine's own helper lives on."""
+    s, port, _ = engine_with_standby(tmp_path, "orphan")
+    try:
+        serving, standby = roles(s)
+        orphans = {int(m[1]): int(m[2]) for m in s.wait_for(r"^test engine (\d+) left orphan (\d+)$", 2)}
+        os.kill(serving, signal.SIGKILL)
+        s.wait_for(rf"^fast-start: failover: engine {serving} died")
+        assert not os.path.exists(f"/proc/{orphans[serving]}")         # killed and reaped
+        assert alive(orphans[standby])
+    finally:
+        stopped(s)
+    assert not os.path.exists(f"/proc/{orphans[standby]}")             # and the stop leaves none
 
 
 def test_a_stop_sent_to_the_whole_unit_ends_it_cleanly(tmp_path):
