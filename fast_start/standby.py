@@ -7,10 +7,13 @@ each forked from the warm interpreter and listening on a Unix socket of its own 
 folder of the supervisor's): the serving engine, to which the front (`fast_start.front`) joins
 every connection made to HOST:PORT, and the standby, which started the same way (with
 `--load-format fast_start` in `zero_copy`, on the daemon's weights: no second copy) and then
-sleeps (vLLM's level-1 sleep: its KV cache released, its scheduler paused). When the serving
-engine dies, the front holds new connections, the standby is woken (its KV cache made again, its graphs
-valid), and the front joins them to it; the dead engine's processes are killed and reaped and a
-new standby starts. A death is that of the engine's server (the forked child) or of a process
+sleeps (vLLM's level-1 sleep, its scheduler paused). Each engine is told what it starts as
+(`STARTS_AS`): the standby's KV cache has its addresses but no memory of its own until it wakes
+(`engines/vllm/standby_kv.py`), so it starts beside a serving engine that holds the GPU at
+vLLM's usual `gpu_memory_utilization`. When the serving engine dies, the front holds new
+connections, the dead engine's processes are killed and reaped (its memory is the standby's KV
+cache's), the standby is woken (its KV cache backed, its graphs valid), and the front joins the
+connections to it; a new standby starts. A death is that of the engine's server (the forked child) or of a process
 of its group titled as vital (`VITAL`: vLLM's engine core and workers); a helper that ends on
 its own is not one. Roles and each failover are one line each on stderr (the unit's journal).
 Both engines answer only from the daemon's weights: a command that would let a miss load from
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from .supervise import STOPS, WINDOW_S, Failures, child, children, say
 
 STARTING, STANDBY, SERVING = "starting", "standby", "serving"
+STARTS_AS = "FAST_START_STARTS_AS"      # what a forked engine starts as: SERVING, or STANDBY (its KV cache light)
 POLL_S = 0.2        # how often a starting engine is asked whether it listens yet
 VITAL = (b"VLLM::",)     # titles of the processes an engine cannot serve without (engine core, workers)
 
@@ -68,6 +72,7 @@ def ask(path: str, method: str, url: str, timeout: float = 60.0) -> int:
 class Engine:
     pid: int
     socket: str
+    starts_as: str
     role: str = STARTING
     watched: dict[int, int] = field(default_factory=dict)      # pidfd -> pid: its server and vital processes
 
@@ -162,6 +167,7 @@ class Standby:
     def fork(self) -> Engine:
         self.started += 1
         path = os.path.join(self.folder, f"engine-{self.started}.sock")
+        starts_as = STANDBY if self.serving() else SERVING
         signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
         pid = os.fork()
         if pid == 0:
@@ -170,51 +176,62 @@ class Standby:
                 os.close(fd)
             for other in self.engines:
                 other.close()
+            os.environ[STARTS_AS] = starts_as
             child(self.main, [*self.argv, "--uds", path])
         try:
             os.setpgid(pid, pid)        # also here: a stop forwarded at once reaches the group
         except OSError:
             pass
-        engine = Engine(pid, path)
+        engine = Engine(pid, path, starts_as)
         engine.watched[os.pidfd_open(pid)] = pid
         self.engines.append(engine)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)      # a stop from now on reaches this engine too
-        say(f"engine {pid} starting from the warm interpreter ({'standby' if self.serving() else 'serving'} "
-            "once it listens)")
+        say(f"engine {pid} starting from the warm interpreter ({starts_as} once it listens)")
         return engine
 
     def serving(self) -> Engine | None:
         return next((e for e in self.engines if e.role == SERVING), None)
 
     def settle(self, engine: Engine) -> None:
-        """A starting engine that listens: it serves if none does, else it goes to sleep as the standby."""
+        """A starting engine that listens: one started as the standby goes to sleep, and serves at
+        once (woken) if the serving engine died meanwhile; the other serves."""
         engine.watch()
-        if self.serving() is None:
-            engine.role = SERVING
-            self.point(engine)
-            say(f"engine {engine.pid} serving")
-        else:
-            started = time.monotonic()
-            if ask(engine.socket, "POST", "/sleep?level=1") != 200:
-                self.died(engine, "it did not go to sleep")
-                return
-            engine.role = STANDBY
-            say(f"engine {engine.pid} standing by (asleep in {time.monotonic() - started:.2f} s)")
+        if engine.starts_as == SERVING:
+            self.serve(engine)
+            return
+        started = time.monotonic()
+        if ask(engine.socket, "POST", "/sleep?level=1") != 200:
+            self.died(engine, "it did not go to sleep")
+            return
+        engine.role = STANDBY
+        say(f"engine {engine.pid} standing by (asleep in {time.monotonic() - started:.2f} s)")
+        if self.serving() is None and not self.wake(engine):
+            say(f"the standby {engine.pid} did not wake; starting another")
+
+    def serve(self, engine: Engine) -> None:
+        engine.role = SERVING
+        self.point(engine)
+        say(f"engine {engine.pid} serving")
+
+    def wake(self, engine: Engine) -> bool:
+        """Wake the standby (its KV cache backed again) and serve from it; False: it is buried."""
+        if ask(engine.socket, "POST", "/wake_up") != 200:
+            self.bury(engine)
+            return False
+        self.serve(engine)
+        return True
 
     def fail_over(self, dead: Engine, why: str) -> None:
         """The serving engine died: the front holds new connections until the standby is awake."""
         noticed = time.monotonic()
         self.point(None)
-        self.bury(dead)
+        self.bury(dead)         # first: its memory is the standby's KV cache's
         standby = next((e for e in self.engines if e.role == STANDBY), None)
         if standby is None:
             say(f"engine {dead.pid} died ({why}) with no standby ready; the next engine that listens serves")
-        elif ask(standby.socket, "POST", "/wake_up") != 200:
-            self.bury(standby)
+        elif not self.wake(standby):
             say(f"engine {dead.pid} died ({why}) and the standby {standby.pid} did not wake; starting another")
         else:
-            standby.role = SERVING
-            self.point(standby)
             say(f"failover: engine {dead.pid} died ({why}); standby {standby.pid} serving "
                 f"{time.monotonic() - noticed:.2f} s later")
 

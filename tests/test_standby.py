@@ -20,12 +20,13 @@ import pytest
 from devtools.harness import free_port, write_config
 from probe import status
 from fast_start.standby import group_of
-from test_supervise import SUPERVISE, Supervised, alive, answer, tiny_model, write_module
+from test_supervise import SUPERVISE, Supervised, alive, answer, ours, tiny_model, write_module
 
 ENGINE = """
 import http.server, json, os, socketserver, sys
 path = sys.argv[sys.argv.index("--uds") + 1]
 state = {"asleep": False}
+print(f"test engine {os.getpid()} starts as {os.environ.get('FAST_START_STARTS_AS')}", flush=True)
 if os.environ.get("ENGINE_GATE"):          # a FIFO: the engine listens once the test has opened it for it
     open(os.environ["ENGINE_GATE"]).read()
 if os.environ.get("ENGINE_ORPHAN") and os.fork() == 0:     # a careless helper: out of the engine's group
@@ -129,6 +130,8 @@ def test_the_standby_answers_once_the_serving_engine_dies_and_a_new_one_stands_b
         now_serving, next_standby = roles(s, 2)
         assert now_serving == standby and next_standby not in (serving, standby)
         assert not alive(serving)
+        for pid, role in ((serving, "serving"), (standby, "standby"), (next_standby, "standby")):
+            s.wait_for(rf"^test engine {pid} starts as {role}$")      # a standby's KV cache starts light
     finally:
         code = stopped(s)
     assert code in (0, -signal.SIGTERM)
@@ -185,7 +188,8 @@ def test_a_helper_of_the_engine_that_ends_on_its_own_is_no_death(tmp_path):
 
 def test_a_connection_made_while_no_engine_serves_waits_for_the_next(tmp_path):
     """The serving engine dies with no standby ready: the front holds a connection made then (none
-    is refused) and the next engine to listen answers it."""
+    is refused) and the next engine to listen answers it, woken first (it started as the standby,
+    its KV cache light)."""
     s, port, gate = engine_with_standby(tmp_path, "gate")
     try:
         gate.write_text("go")           # the first engine may listen; the second then waits at the gate
@@ -198,6 +202,10 @@ def test_a_connection_made_while_no_engine_serves_waits_for_the_next(tmp_path):
         gate.write_text("go")
         assert json.loads(conn.getresponse().read()) == {"pid": second, "asleep": False}
         s.wait_for(rf"^fast-start: engine {second} serving$")
+        s.wait_for(rf"^test engine {second} starts as standby$")
+        lines = [ours(ln) for ln in s.lines if ln]
+        assert lines.index(f"fast-start: engine {second} serving") > next(
+            i for i, ln in enumerate(lines) if ln.startswith(f"fast-start: engine {second} standing by")), lines
     finally:
         stopped(s)
 
