@@ -11,7 +11,10 @@ the attention backend modules the engine imported, and the seconds vLLM's
 FAST_START_BENCH_INPROC=1, which runs the engine core in this process). `"sleep": 1` or `2`
 runs the engine with `enable_sleep_mode`, then sleeps and wakes it at that level (level 2 reloads the weights with
 `reload_weights` between waking them and the KV cache), `"reload": true` runs `reload_weights`:
-the tokens and the digest are then taken again (`after`). `"gpu_memory_utilization"` (default 0.3).
+the tokens and the digest are then taken again (`after`). `"standby": true` starts the engine as
+the standby's supervisor starts a standby (its KV cache light, FAST_START_STARTS_AS=standby),
+sleeps and wakes it before it generates, and reports the GPU's free bytes at each step
+(`free`: started, asleep, awake). `"gpu_memory_utilization"` (default 0.3).
 `"wait_for": FILE` keeps the engine generating (`meanwhile`) until FILE exists, then once more
 (`again`); OUT.up is written once it serves. `"engine"` overrides the defaults here (eager, bf16,
 0.3); `"gpu_memory_utilization": null` leaves vLLM's own default.
@@ -98,6 +101,12 @@ def profiled(out: str) -> None:
         runner.load_model = wrap(runner.load_model)
 
 
+def free_bytes(model: torch.nn.Module) -> int:
+    """The GPU's free bytes, as the engine's worker sees them."""
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
 def _margin(step: dict) -> float:
     """The top log-probability minus the second (vLLM's logprobs of one generated step)."""
     top = sorted((p.logprob for p in step.values()), reverse=True)
@@ -117,15 +126,24 @@ def main() -> None:
     kwargs.update(args.get("engine", {}))       # e.g. {"enforce_eager": false}: compiled, CUDA graphs
     if kwargs["gpu_memory_utilization"] is None:
         del kwargs["gpu_memory_utilization"]    # vLLM's own default
+    if args.get("standby"):
+        os.environ["FAST_START_STARTS_AS"] = "standby"      # the engine core, a process of its own, reads it
     llm = LLM(args["model"], **kwargs)
     llm_s = time.perf_counter() - start
+    free = {}
+    if args.get("standby"):     # a standby is woken before it is asked anything
+        free["started"] = llm.apply_model(free_bytes)[0]
+        llm.sleep(level=1)
+        free["asleep"] = llm.apply_model(free_bytes)[0]
+        llm.wake_up()
+        free["awake"] = llm.apply_model(free_bytes)[0]
     params = SamplingParams(temperature=0.0, max_tokens=16, detokenize=False, logprobs=2)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     # Per step, how far the chosen token's log-probability lies above the runner-up's: where two
     # engines' tokens part, a margin near zero there says a rounding difference decided a near tie.
     margins = [[round(_margin(step), 5) for step in o.outputs[0].logprobs or []] for o in outputs]
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "margins": margins, "llm_s": round(llm_s, 3),
-              **llm.apply_model(report)[0]}
+              "free": free, **llm.apply_model(report)[0]}
     if args.get("wait_for"):       # keep serving: generate again once told to (e.g. after a daemon's reload)
         with open(args["out"] + ".up", "w") as f:
             json.dump(result, f)

@@ -1,5 +1,6 @@
 """The engine's few CUDA driver calls, through ctypes: name the GPU, import and map an arena fd,
-and make a mapped range the process's own (`own`).
+make a mapped range the process's own (`own`), and reserve an address range whose memory comes
+and goes (`reserve`, `create`, `map_handle`: a standby's KV cache, `engines/vllm/standby_kv.py`).
 
 The engine side runs these on every start. `cuda-bindings` (which the daemon and the fill worker
 use, `gpus.py` and `vmm.py`) takes longer to import than a whole fetch may (BENCHMARKS.md);
@@ -46,6 +47,8 @@ _SIGNATURES = {
     "cuMemCreate": [ctypes.POINTER(_u64), _size, ctypes.POINTER(_AllocProp), ctypes.c_ulonglong],
     "cuMemcpyDtoD_v2": [_u64, _u64, _size],
     "cuCtxSynchronize": [],
+    "cuMemGetAllocationGranularity": [ctypes.POINTER(_size), ctypes.POINTER(_AllocProp), _int],
+    "cuMemsetD8_v2": [_u64, ctypes.c_ubyte, _size],
 }
 _OUT_OF_MEMORY = 2          # CUDA_ERROR_OUT_OF_MEMORY
 _INVALID_DEVICE = 101       # CUDA_ERROR_INVALID_DEVICE
@@ -135,6 +138,58 @@ def unmap(ptr: int, size: int) -> None:
     _check(lib.cuMemAddressFree(ptr, size), "cuMemAddressFree")
 
 
+def _pinned(ordinal: int) -> _AllocProp:
+    return _AllocProp(1, 0, _LOCATION_DEVICE, ordinal)     # CU_MEM_ALLOCATION_TYPE_PINNED
+
+
+def granularity(ordinal: int) -> int:
+    """The size every `create`, `map_handle` and `reserve` on GPU `ordinal` is a multiple of."""
+    size = _size()
+    _check(_driver().cuMemGetAllocationGranularity(ctypes.byref(size), ctypes.byref(_pinned(ordinal)), 0),
+           "cuMemGetAllocationGranularity")
+    return size.value
+
+
+def reserve(size: int) -> int:
+    """An address range of `size` bytes with nothing mapped; it lasts as long as the process."""
+    ptr = _u64()
+    _check(_driver().cuMemAddressReserve(ctypes.byref(ptr), size, 0, 0, 0), "cuMemAddressReserve")
+    return ptr.value
+
+
+def create(size: int, ordinal: int, what: str) -> int:
+    """A handle to `size` new bytes of GPU `ordinal`; ArenaError naming `what` when it has no room."""
+    handle = _u64()
+    code = _driver().cuMemCreate(ctypes.byref(handle), size, ctypes.byref(_pinned(ordinal)), 0)
+    if code == _OUT_OF_MEMORY:
+        raise ArenaError(f"GPU {ordinal} has no room for {what} ({size / 2**30:.2f} GiB)",
+                         "end what else holds the GPU's memory, or lower gpu_memory_utilization")
+    _check(code, "cuMemCreate")
+    return handle.value
+
+
+def map_handle(ptr: int, size: int, handle: int, ordinal: int) -> None:
+    """Map `size` bytes of `handle`'s memory (from its start) at `ptr`, readable and writable."""
+    _check(_driver().cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
+    set_access(ptr, size, ordinal, readonly=False)
+
+
+def release(handle: int) -> None:
+    """Drop the handle: its memory lives on in its mappings, and goes with the last of them."""
+    _check(_driver().cuMemRelease(handle), "cuMemRelease")
+
+
+def unmap_only(ptr: int, size: int) -> None:
+    """Unmap one mapping, keeping its address range reserved."""
+    _check(_driver().cuMemUnmap(ptr, size), "cuMemUnmap")
+
+
+def zero(ptr: int, size: int) -> None:
+    lib = _driver()
+    _check(lib.cuMemsetD8_v2(ptr, 0, size), "cuMemsetD8")
+    _check(lib.cuCtxSynchronize(), "cuCtxSynchronize")
+
+
 def own(ptr: int, size: int, ordinal: int) -> None:
     """Make the range mapped at `ptr` this process's own writable memory with the same bytes, at
     the same address (every pointer into it, a CUDA graph's too, stays valid): a new allocation
@@ -142,8 +197,7 @@ def own(ptr: int, size: int, ordinal: int) -> None:
     context must be current and nothing may be running that reads the range. ArenaError naming
     the shortfall when the GPU has no room for `size` more bytes; the range is unchanged then."""
     lib, handle, tmp = _driver(), _u64(), _u64()
-    prop = _AllocProp(1, 0, _LOCATION_DEVICE, ordinal)      # CU_MEM_ALLOCATION_TYPE_PINNED
-    code = lib.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(prop), 0)
+    code = lib.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(_pinned(ordinal)), 0)
     if code == _OUT_OF_MEMORY:
         raise ArenaError(f"GPU {ordinal} has no room for a {size / 2**30:.2f} GiB copy of the weights mapped from "
                          "the daemon", "load the engine with mode copy, or leave that much of the GPU free")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -346,6 +347,35 @@ def test_vllm_sleep_mode_and_reload_weights_end_with_the_default_loaders_weights
     rc, _, log = vllm_engine(tmp_path / "refused.json", path, load_format="fast_start", sleep=1,
                              gpu_memory_utilization=0.9, extra={**options, "mode": "zero_copy"})
     assert rc != 0 and "fast-start: enable_sleep_mode frees and restores the engine's own weight memory" in log, \
+        log[-4000:]
+
+
+def test_a_standby_starts_with_no_kv_memory_and_its_captured_graphs_serve_once_woken(tmp_path, daemons):
+    """An engine started as the standby's supervisor starts a standby (compiled, CUDA graphs, at
+    vLLM's default 0.9): its KV cache holds no memory until it wakes, then the GPU's free memory
+    drops by the KV cache's size, and the graphs captured on the light ranges give the default
+    loader's tokens."""
+    vllm = pytest.importorskip("vllm")
+    from bench.vllm_cuda import DENSE
+    path = synth.write_checkpoint(tmp_path / "qwen3", DENSE, seed=7)
+    models = [{"name": "qwen3", "path": str(path), "gpus": [0], "layout": "vllm", "engine_version": vllm.__version__}]
+    daemons(cuda_config(tmp_path, models, worker_python=sys.executable), wait=False).wait_ready(600)
+    compiled = {"enforce_eager": False, "gpu_memory_utilization": None}
+    rc, want, log = vllm_engine(tmp_path / "default.json", path, engine=compiled)
+    assert rc == 0, log[-4000:]
+    rc, got, log = vllm_engine(tmp_path / "standby.json", path, load_format="fast_start", standby=True,
+                               engine=compiled, extra={"socket_dir": str(tmp_path / "run"), "fallback": False})
+    assert rc == 0, log[-4000:]
+    kv = re.search(r"fast-start: the KV cache's (\d+\.\d+) GiB lie at addresses of their own, light", log)
+    backed = re.search(r"fast-start: the KV cache's \d+\.\d+ GiB backed in (\d+\.\d+) s", log)
+    assert kv and backed, log[-4000:]
+    free = got["free"]
+    assert free["started"] - free["awake"] >= 0.9 * float(kv[1]) * 2**30, (free, kv[1])
+    assert got["source"] == "cache" and got["tokens"] == want["tokens"]
+    rc, _, log = vllm_engine(tmp_path / "level-2.json", path, load_format="fast_start", standby=True, sleep=2,
+                             engine={"enable_sleep_mode": False}, extra={"socket_dir": str(tmp_path / "run"),
+                                                                         "fallback": False})
+    assert rc != 0 and "fast-start: a level-2 sleep discards the weights and wakes by reloading them" in log, \
         log[-4000:]
 
 

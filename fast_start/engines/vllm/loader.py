@@ -34,9 +34,11 @@ Options come from `--model-loader-extra-config`: `mode` (zero_copy | copy), `fal
 
 A zero_copy engine's weights are the daemon's, mapped read-only; the engine's features that write
 weights are handled before they can fault: sleep mode (which frees and restores the engine's own
-weight memory) and weight transfer (`weight_transfer_config`: a trainer's updates written into
-the weights) are refused at start, naming the fix (mode copy); `reload_weights` first makes the
-maps the engine's own memory at the same addresses (`detach.py`), then reloads as vLLM does.
+weight memory), weight transfer (`weight_transfer_config`: a trainer's updates written into the
+weights) and expert load balancing are refused at start, a level-2 sleep (which discards the
+weights; a standby's engine sleeps without sleep mode, `standby_kv.py`) as it is asked for, each
+naming the fix (mode copy); `reload_weights` first makes the maps the engine's own memory at the
+same addresses (`detach.py`), then reloads as vLLM does.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from . import attention as vllm_attention, compat, kept, roles, rules as vllm_rules, state as vllm_state
+from . import attention as vllm_attention, compat, kept, roles, rules as vllm_rules, standby_kv, state as vllm_state
 from . import ENGINE
 from .install import prepare
 from .record import FillRecord
@@ -84,9 +86,12 @@ def register() -> None:
         counts_itself = not compat.current().COUNTS_MAPPED_WEIGHTS
         _wrap_runners(count=counts_itself)
         _wrap_startup_check(counts_itself)
+        standby_kv.wrap_allocation()
         worker = _platform_worker()
         if worker is not None:
             kept.wrap_warm_up(worker)
+            standby_kv.wrap_sleep(worker)
+            worker.sleep = _refusing_level_2(worker.sleep)
             roles.wrap(worker)
         _registered = True
 
@@ -143,6 +148,8 @@ def _wrap_startup_check(counts_itself: bool) -> None:
             _starting.remove(self)
 
     def request(snapshot, cache_config, *args, **kwargs):
+        if standby_kv.standby():
+            return standby_kv.unchecked(check, snapshot, cache_config, *args, **kwargs)
         how, held = _handover(_starting[-1].vllm_config, counts_itself) if _starting else ("", 0)
         if how == "drop":
             _count_as_free(snapshot, held)
@@ -280,6 +287,18 @@ def _detaching(reload_weights):
             model.fast_start_mapped_bytes = 0
         return reload_weights(self, *args, **kwargs)
     return reload
+
+
+def _refusing_level_2(sleep):
+    """The worker's sleep, refused at level 2 where its weights are mapped from the daemon."""
+    def refused(self, level: int = 1, *args, **kwargs):
+        if level >= 2 and getattr(self.model_runner.get_model(), "fast_start_mapped_bytes", 0):
+            raise ValueError("fast-start: a level-2 sleep discards the weights and wakes by reloading them, and a "
+                             "zero_copy engine's weights are the daemon's, mapped read-only: nothing was discarded "
+                             "(wake_up resumes the engine); sleep at level 1, which releases the KV cache only, "
+                             "or load with --model-loader-extra-config '{\"mode\": \"copy\"}'")
+        return sleep(self, level, *args, **kwargs)
+    return refused
 
 
 def refusal(vllm_config, mode: str) -> str | None:
