@@ -224,22 +224,28 @@ def _fill(spec: WeightSpec, want, config, device: str, progress, chunk: int) -> 
             params, buffers = list(_params(model)), list(model.named_buffers())
             record = FillRecord(ENGINE.name, stage, plan, attention, tuple(n for n, _ in buffers),
                                 attrs=_meta_build(config, {n for n, _ in [*params, *buffers]}, attrs))
-
-            def process(entries: list[TensorEntry]) -> None:
-                """vLLM's processing over the exported tensors (in the arena on a GPU, as an engine
-                runs it): it must not change a byte of them."""
-                loaded = {name: t.detach() for name, t in _unique(params)}   # processing may re-point a Parameter
-                with set_default_torch_dtype(model_config.dtype):
-                    loader_utils.process_weights_after_loading(model, model_config, target)
-                changed = [e.name for e in entries if e.name in loaded and arenas.checksum(loaded[e.name]) != e.checksum]
-                if changed:
-                    raise FastStartError(f"vLLM's processing rewrote {len(changed)} loaded tensors in place "
-                                         f"({', '.join(changed[:3])}); an engine could not run it over read-only "
-                                         "cache memory", "use vLLM 0.30 or later, whose pre-processed pass skips it")
-
             hold = "repoint" if target.type == "cuda" else "keep"
-            manifest, fds = export(want, [*params, *buffers], device, record, progress, chunk, hold, then=process)
+            manifest, fds = export(want, [*params, *buffers], device, record, progress, chunk, hold,
+                                   then=_processing(model, model_config, target, params))
     return manifest, fds
+
+
+def _processing(model, model_config, target: torch.device, params) -> Callable[[list[TensorEntry]], None]:
+    """vLLM's processing over the exported tensors (in the arena on a GPU, as an engine runs it),
+    which must not change a byte of them: `export`'s `then` at the loaded stage."""
+    from vllm.model_executor.model_loader import utils as loader_utils
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    def process(entries: list[TensorEntry]) -> None:
+        loaded = {name: t.detach() for name, t in _unique(params)}   # processing may re-point a Parameter
+        with set_default_torch_dtype(model_config.dtype):
+            loader_utils.process_weights_after_loading(model, model_config, target)
+        changed = [e.name for e in entries if e.name in loaded and arenas.checksum(loaded[e.name]) != e.checksum]
+        if changed:
+            raise FastStartError(f"vLLM's processing rewrote {len(changed)} loaded tensors in place "
+                                 f"({', '.join(changed[:3])}); an engine could not run it over read-only "
+                                 "cache memory", "use vLLM 0.30 or later, whose pre-processed pass skips it")
+    return process
 
 
 def _meta_build(config, exported: set[str], attrs: dict[str, list]) -> dict | None:
@@ -304,36 +310,52 @@ def export(want, named, device: str, record: FillRecord, progress=None, chunk: i
     would); `hold = "keep"`: the storages are kept (the loaded stage on the CPU). `then` runs
     before the arenas are sealed; an error there discards them.
     """
-    # Storages of one dtype, shape and stride together: an engine builds them as one view.
-    unique = sorted(_unique(named), key=lambda nt: (str(nt[1].dtype), tuple(nt[1].shape), nt[1].stride()))
-    first = {id(t): name for name, t in unique}
-    aliases = {name: first[id(t)] for name, t in named if first[id(t)] != name}
-    storages: dict[tuple, torch.UntypedStorage] = {}
-    for _, t in unique:
-        storages.setdefault(_storage_key(t), t.untyped_storage())
-    # Buffers may outlive the model: vLLM shares one rotary embedding (and its cache) between
-    # every model built with the same settings, so the next fill's model holds it too.
-    buffers = set(record.buffers)
-    shared = {t.untyped_storage().data_ptr() for name, t in named if name in buffers}
-    where, sizes = place([s.nbytes() for s in storages.values()], chunk)
-    bases = dict(zip(storages, where))              # storage -> (arena, offset)
-    chunks: list[list[tuple[int, torch.UntypedStorage]]] = [[] for _ in sizes]
-    for (arena, offset), s in zip(where, storages.values()):
-        chunks[arena].append((offset, s))
-    entries, members = [], [[] for _ in chunks]     # members: each chunk's (tensor, entry)
-    for name, t in unique:
-        arena, base = bases[_storage_key(t)]
-        offset = base + t.storage_offset() * t.itemsize
-        stride = () if t.is_contiguous() and offset % ALIGN == 0 else tuple(t.stride())
-        entry = TensorEntry(name, name_of(t.dtype), tuple(t.shape), arena, offset, t.numel() * t.itemsize,
-                            arenas.checksum(t), stride)
-        entries.append(entry)
-        members[arena].append((t, entry))
-    total, done, made = sum(sizes), 0, []
+    plan = _Plan(named, record, chunk)
+    made, fds = _write(plan, f"vllm-{want.checkpoint[:12]}-r{want.rank}", device, progress, hold, then)
+    manifest = Manifest(want, tuple(made), tuple(plan.entries), plan.aliases, record.to_dict())
+    manifest.validate()
+    return manifest, fds
+
+
+class _Plan:
+    """Where `export` writes each distinct storage: its chunk and offset, its tensors' entries."""
+
+    def __init__(self, named, record: FillRecord, chunk: int):
+        # Storages of one dtype, shape and stride together: an engine builds them as one view.
+        unique = sorted(_unique(named), key=lambda nt: (str(nt[1].dtype), tuple(nt[1].shape), nt[1].stride()))
+        first = {id(t): name for name, t in unique}
+        self.aliases = {name: first[id(t)] for name, t in named if first[id(t)] != name}
+        storages: dict[tuple, torch.UntypedStorage] = {}
+        for _, t in unique:
+            storages.setdefault(_storage_key(t), t.untyped_storage())
+        # Buffers may outlive the model: vLLM shares one rotary embedding (and its cache) between
+        # every model built with the same settings, so the next fill's model holds it too.
+        buffers = set(record.buffers)
+        self.shared = {t.untyped_storage().data_ptr() for name, t in named if name in buffers}
+        where, self.sizes = place([s.nbytes() for s in storages.values()], chunk)
+        bases = dict(zip(storages, where))              # storage -> (arena, offset)
+        self.chunks: list[list[tuple[int, torch.UntypedStorage]]] = [[] for _ in self.sizes]
+        for (arena, offset), s in zip(where, storages.values()):
+            self.chunks[arena].append((offset, s))
+        self.entries: list[TensorEntry] = []
+        self.members: list[list[tuple[torch.Tensor, TensorEntry]]] = [[] for _ in self.chunks]
+        for name, t in unique:
+            arena, base = bases[_storage_key(t)]
+            offset = base + t.storage_offset() * t.itemsize
+            stride = () if t.is_contiguous() and offset % ALIGN == 0 else tuple(t.stride())
+            entry = TensorEntry(name, name_of(t.dtype), tuple(t.shape), arena, offset, t.numel() * t.itemsize,
+                                arenas.checksum(t), stride)
+            self.entries.append(entry)
+            self.members[arena].append((t, entry))
+
+
+def _write(plan: _Plan, label: str, device: str, progress, hold: str, then) -> tuple[list[ArenaEntry], list[int]]:
+    """`plan`'s chunks written into arenas, chunk by chunk (`export`): their entries and sealed fds."""
+    total, done, made = sum(plan.sizes), 0, []
     writers, fds = [], []               # writers still open; fds of arenas sealed
     try:
-        for i, (group, size) in enumerate(zip(chunks, sizes)):
-            writer = arenas.create(size, device, f"vllm-{want.checkpoint[:12]}-r{want.rank}-{i}")
+        for i, (group, size) in enumerate(zip(plan.chunks, plan.sizes)):
+            writer = arenas.create(size, device, f"{label}-{i}")
             writers.append(writer)
             made.append(ArenaEntry(writer.size, writer.device))
             for base, s in group:
@@ -343,19 +365,15 @@ def export(want, named, device: str, record: FillRecord, progress=None, chunk: i
                 if progress:
                     progress(done, total)
             if hold == "repoint":
-                for t, e in members[i]:
+                for t, e in plan.members[i]:
                     t.data = _view(writer.view, e, t)
             if hold != "keep":
-                for _, s in group:
-                    if s.resizable() and s.data_ptr() not in shared:
-                        s.resize_(0)
-                if torch.device(device).type == "cuda":
-                    torch.cuda.empty_cache()        # back to the driver before the next chunk
+                _give_back(group, plan.shared, device)
             if not hold:
                 fds.append(writer.finish())
                 writers.pop()
         if then is not None:
-            then(entries)
+            then(plan.entries)
         while writers:
             fds.append(writers[0].finish())
             writers.pop(0)
@@ -365,9 +383,17 @@ def export(want, named, device: str, record: FillRecord, progress=None, chunk: i
         for w in writers:
             w.abort()
         raise
-    manifest = Manifest(want, tuple(made), tuple(entries), aliases, record.to_dict())
-    manifest.validate()
-    return manifest, fds
+    return made, fds
+
+
+def _give_back(group: list[tuple[int, torch.UntypedStorage]], shared: set[int], device: str) -> None:
+    """Free a written chunk's storages (not those shared beyond the model) and return the device's
+    cache to the driver before the next chunk is made."""
+    for _, s in group:
+        if s.resizable() and s.data_ptr() not in shared:
+            s.resize_(0)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _view(flat: torch.Tensor, entry: TensorEntry, like: torch.Tensor) -> torch.Tensor:
