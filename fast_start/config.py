@@ -292,6 +292,14 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
     def bad(key, what, fix):
         raise ConfigError(f"{where} {names[key]} {what}" if names and key in names else f"{where} key {key!r} {what}",
                           fix)
+    _check_gpus(m, bad)
+    _check_engine(m, bad)
+    _check_ranks(m, bad)
+    _check_weights(m, bad)
+    _check_paths(m, bad, check_paths)
+
+
+def _check_gpus(m: ModelConfig, bad) -> None:
     if not m.gpus:
         bad("gpus", "is empty", "list the GPU indices that serve this model, e.g. gpus = [0]")
     if len(set(m.gpus)) != len(m.gpus) or min(m.gpus) < 0:
@@ -299,6 +307,9 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         if getattr(m, key) < 1:
             bad(key, f"is {getattr(m, key)}", "use 1 or more")
+
+
+def _check_engine(m: ModelConfig, bad) -> None:
     if m.engine and engines.get(m.engine) is None:
         bad("engine", f"is {m.engine!r}", f"use one of {', '.join(engines.names())}, or leave it out (fast-start's "
             "own tables fill the model)")
@@ -308,13 +319,18 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
     if not m.engine and m.layout != "hf" and engines.get(m.layout) is None:
         bad("layout", f"is {m.layout!r}", f"use one of {', '.join(layouts())}; or name the engine that fills the "
             "model with engine = ...")
-    engine = m.filler
     for key, off in engines.ENGINE_KEYS.items():
-        if getattr(m, key) != off and engine is None:
+        if getattr(m, key) != off and m.filler is None:
             value = getattr(m, key)
             bad(key, f"is {list(value) if isinstance(value, tuple) else value!r} for a model no engine fills",
                 f"remove it, or set {_by_engine()}: pipeline stages, data and expert parallelism, the KV-cache "
                 f"dtype, MoE backend and kernel variables are an engine's settings")
+    if m.engine_version == AUTO and m.filler is None:
+        bad("engine_version", f"is \"auto\", which only an engine's model ({_by_engine()}) can resolve",
+            "write the version your engine passes in its WeightSpec")
+
+
+def _check_ranks(m: ModelConfig, bad) -> None:
     if m.replicas < 1 or len(m.gpus) % m.replicas:
         bad("replicas", f"is {m.replicas} with gpus = {list(m.gpus)}", "list as many GPUs for each replica: gpus "
             "holds replicas × the GPUs of one engine, replica by replica")
@@ -330,22 +346,25 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
         bad("rank_offset", f"{m.rank_offset} with {per} GPUs{each} serves ranks beyond {ranks - 1}",
             "serve at most data_parallel_size × pipeline_parallel_size × tensor_parallel_size ranks in each replica: "
             "fix gpus, replicas or rank_offset")
+
+
+def _check_weights(m: ModelConfig, bad) -> None:
     if m.dtype not in dtypes.MODEL:
         bad("dtype", f"is {m.dtype!r}", f"use one of {', '.join(dtypes.MODEL)}")
-    if engine is not None:
-        for key, what, fix in engine.check(m):
+    if m.filler is not None:
+        for key, what, fix in m.filler.check(m):
             bad(key, what, fix)
     elif m.quantization not in quant.METHODS:
         bad("quantization", f"is {m.quantization!r}", f"use one of {', '.join(quant.METHODS)}")
     elif not quant.METHODS[m.quantization].verified_for_sharing:
         verified = [n for n, x in quant.METHODS.items() if x.verified_for_sharing]
         bad("quantization", f"{m.quantization!r} is not verified for sharing", f"use one of {', '.join(verified)}")
+
+
+def _check_paths(m: ModelConfig, bad, check_paths: bool) -> None:
     if m.python and not Path(m.python).is_absolute():
         bad("python", f"is {m.python!r}, not an absolute path", "name the engine's interpreter, e.g. "
             "/opt/vllm/.venv/bin/python")
-    if m.engine_version == AUTO and engine is None:
-        bad("engine_version", f"is \"auto\", which only an engine's model ({_by_engine()}) can resolve",
-            "write the version your engine passes in its WeightSpec")
     folder = Path(m.path)
     if not folder.is_absolute():
         bad("path", f"{m.path!r} is not an absolute path", "write the model folder's absolute path")
