@@ -526,32 +526,10 @@ def install_engine(python: Path = typer.Argument(..., help="the engine environme
     """Install this fast-start, at exactly this version, into an engine's Python environment (the
     vLLM plugin and the fill worker live there) with no package index, then check it there: it
     imports fast-start at this version, and vLLM finds the plugin. Exit 0 when it does, 1 if not."""
-    import shutil
-    import subprocess
-    if not os.access(python, os.X_OK) or python.is_dir():
-        raise FastStartError(f"{python} is not an interpreter this user can run",
-                             "name the engine environment's python, e.g. /opt/vllm/.venv/bin/python")
-    wheel = wheel or WHEELS / f"fast_start-{__version__}-py3-none-any.whl"
-    if not wheel.is_file():
-        raise FastStartError(f"no fast-start {__version__} wheel at {wheel}",
-                             "install the fast-start package, which ships it, or pass --wheel FILE "
-                             f"(pip wheel --no-deps fast-start=={__version__} makes one)")
-    if not wheel.name.startswith(f"fast_start-{__version__}-"):
-        raise FastStartError(f"{wheel.name} is not fast-start {__version__}, the version here",
-                             f"pass the wheel of fast-start {__version__}")
-    _runnable_by_root(python)
+    wheel = _engine_wheel(python, wheel)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     run = functools.partial(_run, env=env)
-    # Its dependencies (torch, safetensors) are the engine's own: only this wheel is installed.
-    if run([str(python), "-m", "pip", "--version"]).returncode == 0:
-        command = [str(python), "-m", "pip", "install", "--no-index", "--no-deps", "--force-reinstall",
-                   "--disable-pip-version-check", "--quiet", str(wheel)]
-    elif uv := shutil.which("uv"):
-        command = [uv, "pip", "install", "--python", str(python), "--offline", "--no-deps",
-                   "--reinstall", str(wheel)]
-    else:
-        raise FastStartError(f"{python}'s environment has no pip, and there is no uv on PATH",
-                             f"{python} -m ensurepip installs pip without an index; then run this again")
+    command = _installer(python, wheel, run)
     done = run(command)
     if done.returncode:
         raise FastStartError(f"installing {wheel.name} into {python} failed: "
@@ -575,6 +553,36 @@ def install_engine(python: Path = typer.Argument(..., help="the engine environme
         f"{python}: fast-start {r['version']} installed ({r['file']}); vLLM plugin {r['plugin'][0]}"
         + ("" if r["torch"] else "\nwarning: torch is not installed there: the fill worker and engines need it"),
         soft_wrap=True, highlight=False))
+
+
+def _engine_wheel(python: Path, wheel: Optional[Path]) -> Path:
+    """The wheel `install-engine` installs into `python`'s environment, both checked first."""
+    if not os.access(python, os.X_OK) or python.is_dir():
+        raise FastStartError(f"{python} is not an interpreter this user can run",
+                             "name the engine environment's python, e.g. /opt/vllm/.venv/bin/python")
+    wheel = wheel or WHEELS / f"fast_start-{__version__}-py3-none-any.whl"
+    if not wheel.is_file():
+        raise FastStartError(f"no fast-start {__version__} wheel at {wheel}",
+                             "install the fast-start package, which ships it, or pass --wheel FILE "
+                             f"(pip wheel --no-deps fast-start=={__version__} makes one)")
+    if not wheel.name.startswith(f"fast_start-{__version__}-"):
+        raise FastStartError(f"{wheel.name} is not fast-start {__version__}, the version here",
+                             f"pass the wheel of fast-start {__version__}")
+    _runnable_by_root(python)
+    return wheel
+
+
+def _installer(python: Path, wheel: Path, run) -> list[str]:
+    """The command that installs only `wheel` (its dependencies, torch and safetensors, are the
+    engine's own) into `python`'s environment: its pip, else uv."""
+    import shutil
+    if run([str(python), "-m", "pip", "--version"]).returncode == 0:
+        return [str(python), "-m", "pip", "install", "--no-index", "--no-deps", "--force-reinstall",
+                "--disable-pip-version-check", "--quiet", str(wheel)]
+    if uv := shutil.which("uv"):
+        return [uv, "pip", "install", "--python", str(python), "--offline", "--no-deps", "--reinstall", str(wheel)]
+    raise FastStartError(f"{python}'s environment has no pip, and there is no uv on PATH",
+                         f"{python} -m ensurepip installs pip without an index; then run this again")
 
 
 INSTALL_TIMEOUT_S = 600     # for pip; the checks before and after it take seconds
