@@ -148,33 +148,39 @@ def _wrap_startup_check(counts_itself: bool) -> None:
             _starting.remove(self)
 
     def request(snapshot, cache_config, *args, **kwargs):
-        if standby_kv.standby():
-            return standby_kv.unchecked(check, snapshot, cache_config, *args, **kwargs)
-        how, held = _handover(_starting[-1].vllm_config, counts_itself) if _starting else ("", 0)
-        if how == "drop":
-            _count_as_free(snapshot, held)
-            log.info("fast-start: the daemon hands the %.2f GiB it holds for this rank over to its copy "
-                     "(on_release = \"drop\"): vLLM's memory accounting counts them as free at start-up", held / 2**30)
-        elif how == "map" and counts_itself:
-            counted = copy.copy(snapshot)
-            counted.free_memory = snapshot.free_memory + held
-            requested = check(counted, cache_config, *args, **kwargs)
-            _excluded.update(bytes=held, free=snapshot.free_memory, requested=requested)
-            log.info("fast-start: the %.2f GiB this rank maps from the daemon count as free in vLLM's start-up "
-                     "memory check", held / 2**30)
-            return requested
-        try:
-            return check(snapshot, cache_config, *args, **kwargs)
-        except ValueError:
-            if how == "keep":       # vLLM's own message names neither way out
-                log.error("fast-start: the daemon keeps its %.2f GiB for this rank beside this engine's copy "
-                          "(on_release = \"keep\"), and vLLM counts them as used (fix: load with mode zero_copy, "
-                          "set on_release = \"drop\" in the daemon's config, or lower gpu_memory_utilization)",
-                          held / 2**30)
-            raise
+        return _request(check, counts_itself, snapshot, cache_config, *args, **kwargs)
 
     gpu_worker.Worker.init_device = init
     gpu_worker.request_memory = request
+
+
+def _request(check, counts_itself: bool, snapshot, cache_config, *args, **kwargs) -> int:
+    """vLLM's `request_memory` (`check`) for the worker starting now, the daemon's bytes for its
+    rank counted as `_wrap_startup_check` says; a standby's is left to its wake (`standby_kv`)."""
+    if standby_kv.standby():
+        return standby_kv.unchecked(check, snapshot, cache_config, *args, **kwargs)
+    how, held = _handover(_starting[-1].vllm_config, counts_itself) if _starting else ("", 0)
+    if how == "drop":
+        _count_as_free(snapshot, held)
+        log.info("fast-start: the daemon hands the %.2f GiB it holds for this rank over to its copy "
+                 "(on_release = \"drop\"): vLLM's memory accounting counts them as free at start-up", held / 2**30)
+    elif how == "map" and counts_itself:
+        counted = copy.copy(snapshot)
+        counted.free_memory = snapshot.free_memory + held
+        requested = check(counted, cache_config, *args, **kwargs)
+        _excluded.update(bytes=held, free=snapshot.free_memory, requested=requested)
+        log.info("fast-start: the %.2f GiB this rank maps from the daemon count as free in vLLM's start-up "
+                 "memory check", held / 2**30)
+        return requested
+    try:
+        return check(snapshot, cache_config, *args, **kwargs)
+    except ValueError:
+        if how == "keep":       # vLLM's own message names neither way out
+            log.error("fast-start: the daemon keeps its %.2f GiB for this rank beside this engine's copy "
+                      "(on_release = \"keep\"), and vLLM counts them as used (fix: load with mode zero_copy, "
+                      "set on_release = \"drop\" in the daemon's config, or lower gpu_memory_utilization)",
+                      held / 2**30)
+        raise
 
 
 def _handover(vllm_config, zero_copy: bool = True) -> tuple[str, int]:
@@ -435,18 +441,8 @@ class FastStartLoader(BaseModelLoader):
             log.warning("fast-start: cache miss for %s (%s%s); loading with vLLM's default loader",
                         model_config.model, miss.what, f"; differing fields: {', '.join(fields)}" if fields else "")
             return self.default_loader().load_model(vllm_config, model_config, prefix)
-        cpu = 1e3 * (time.thread_time() - cpu_start)
-        fetched, built, prepared = (1e3 * (b - a) for a, b in zip(clock, clock[1:]))
         nbytes = sum(t.nbytes for t in weights.tensors.values())
-        # The CPU time says whether a slow load computed slowly or waited (for the GPU, the
-        # daemon, the CPU itself where the machine is oversubscribed).
-        rank = f"rank {spec.rank} of {spec.tensor_parallel_size * spec.pipeline_parallel_size}"
-        if spec.data_parallel_size > 1:
-            rank += f" (DP rank {spec.data_parallel_rank} of {spec.data_parallel_size})"
-        log.info("fast-start: %d tensors (%.1f MiB, %s) for %s from the cache (%s): fetch %.1f ms, "
-                 "model built on %s %.1f ms, installed %.1f ms (this thread's CPU time: %.1f of %.1f ms)",
-                 len(weights), nbytes / 2**20, record.stage, rank, o.mode, fetched,
-                 "meta" if on_meta else "the device", built, prepared, cpu, fetched + built + prepared)
+        _log_load(spec, weights, record, o.mode, clock, 1e3 * (time.thread_time() - cpu_start), on_meta)
         model.fast_start_source = weights.source
         roles.holding(weights)
         if o.artifacts:
@@ -454,6 +450,22 @@ class FastStartLoader(BaseModelLoader):
         if o.mode == "zero_copy":       # read by _count_mapped_weights on vLLM < 0.32
             model.fast_start_mapped_bytes = nbytes
         return model.eval()
+
+
+def _log_load(spec: WeightSpec, weights, record: FillRecord, mode: str, clock: list[float], cpu: float,
+              on_meta: bool) -> None:
+    """The load's line: what came from the cache and each step's time (`clock`: its start, then the
+    end of the fetch, of the build, of the install). The CPU time says whether a slow load computed
+    slowly or waited (for the GPU, the daemon, the CPU itself where the machine is oversubscribed)."""
+    fetched, built, prepared = (1e3 * (b - a) for a, b in zip(clock, clock[1:]))
+    nbytes = sum(t.nbytes for t in weights.tensors.values())
+    rank = f"rank {spec.rank} of {spec.tensor_parallel_size * spec.pipeline_parallel_size}"
+    if spec.data_parallel_size > 1:
+        rank += f" (DP rank {spec.data_parallel_rank} of {spec.data_parallel_size})"
+    log.info("fast-start: %d tensors (%.1f MiB, %s) for %s from the cache (%s): fetch %.1f ms, "
+             "model built on %s %.1f ms, installed %.1f ms (this thread's CPU time: %.1f of %.1f ms)",
+             len(weights), nbytes / 2**20, record.stage, rank, mode, fetched,
+             "meta" if on_meta else "the device", built, prepared, cpu, fetched + built + prepared)
 
 
 def weight_spec(model_config, vllm_config, parallel=None) -> WeightSpec:
