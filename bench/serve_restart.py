@@ -1,7 +1,7 @@
 """A restart as the user pays it: a fresh `vllm serve` from exec to its first answered request.
 
     python -m bench.serve_restart OUTDIR [--model qwen3-8b|tiny] [--repeat 3] [--emptied 1] [--kills N]
-                                         [--api serve|llm]
+                                         [--api serve|llm] [--standby N]
                                          [--env NAME=VALUE ...] [--default-only | --fast-start-only]
     python -m bench.serve_restart OUTDIR --plot     (phases read again from the logs, the picture again)
 
@@ -20,7 +20,11 @@ its gpu_memory_utilization) unless `--eager` or `--utilization` say otherwise:
   every cache emptied first (a reboot, a new container), so vLLM's folder gets the daemon's set;
   `zero_copy supervised`: the same engine under `python -m fast_start.supervise` (vLLM imported
   once, its engine process forked), killed with -9 `--kills` times once it answers, each restart
-  timed from its kill to the next answer (serve only). Each run records its kept artifacts'
+  timed from its kill to the next answer (serve only); `zero_copy standby`: the same engine under
+  `python -m fast_start.supervise --standby`, requests streaming from four threads, its serving
+  engine's core killed (-9) `--standby` times once a standby stands by, each failover timed from
+  the kill to the first answer to a request sent after it, with the GPU's used memory (NVML) and the daemon's RSS
+  at each drill and after the last (serve only). Each run records its kept artifacts'
   outcome (`artifacts`: hit, "hit, yet rebuilt" (vLLM compiled anew from them), miss, refused or
   unkept, as the engine's fast-start lines say).
 
@@ -35,6 +39,7 @@ jmespath and model-hosting-container-standards).
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import re
@@ -102,7 +107,7 @@ class Engine:
             t = time.monotonic() - self.t0
             self.lines.append((t, line.rstrip("\n")))
             self.log.write(f"{t:9.3f} {line}")
-        self.log.flush()
+        self.log.close()        # here: a process the engine left may write after `stop`
 
     def since(self) -> float:
         return time.monotonic() - self.t0
@@ -116,7 +121,6 @@ class Engine:
             self.proc.kill()
             rc = self.proc.wait()
         self.reader.join(10)
-        self.log.close()
         return rc
 
 
@@ -165,12 +169,135 @@ def supervised(model: Path, engine_args: list[str], env: dict, log: Path, deadli
     return [{**r, "rc": rc, "lines": e.lines} for r in runs]
 
 
-def complete(port: int, model: str, prompt: str) -> str:
+class Stream:
+    """Requests to `port` without a pause, from `threads` threads (a request the dying engine holds
+    delays only its own thread): each one's (sent, done, answer or None), seconds since exec."""
+
+    def __init__(self, e: Engine, port: int, model: str, threads: int = 4):
+        self.e, self.port, self.model = e, port, model
+        self.records: list[tuple[float, float, str | None]] = []
+        self.running = True
+        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, k: int) -> None:
+        while self.running:
+            sent = self.e.since()
+            try:
+                answer = complete(self.port, self.model, PROMPTS[k % len(PROMPTS)], timeout=30)
+            except (urllib.error.URLError, OSError, ValueError, KeyError, http.client.HTTPException):
+                answer = None
+                time.sleep(0.01)
+            self.records.append((sent, self.e.since(), answer))
+
+    def answered_after(self, t: float, deadline_s: float) -> float | None:
+        """When the first request sent after `t` was answered (None: none within the deadline); one
+        sent before may still be answered by the engine that was killed, from what it had done."""
+        while self.e.since() - t < deadline_s and self.e.proc.poll() is None:
+            done = [d for sent, d, a in list(self.records) if a is not None and sent > t]
+            if done:
+                return min(done)
+            time.sleep(0.005)
+        return None
+
+    def stop(self) -> None:
+        self.running = False
+        for t in self.threads:
+            t.join(60)
+
+
+def gpu_used_mib() -> int | None:
+    """The GPU's used memory as NVML counts it (nvidia-smi), MiB."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return int(out.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def rss_mib(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration):
+        return None
+
+
+def lines_matching(e: Engine, pattern: str) -> list[re.Match]:
+    return [m for _, ln in list(e.lines) if (m := re.search(pattern, ln))]
+
+
+def wait_line(e: Engine, pattern: str, count: int, deadline_s: float) -> re.Match | None:
+    """The `count`-th line of `e` that matches, once it is there."""
+    start = e.since()
+    while e.since() - start < deadline_s and e.proc.poll() is None:
+        found = lines_matching(e, pattern)
+        if len(found) >= count:
+            return found[count - 1]
+        time.sleep(0.005)
+    return None
+
+
+def engine_core(engine_pid: int) -> int | None:
+    """The engine core process of the engine whose server is `engine_pid` (its process group)."""
+    from fast_start.standby import group_of
+    for pid in group_of(engine_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().startswith(b"VLLM::EngineCore"):
+                    return pid
+        except OSError:
+            continue
+    return None
+
+
+SERVING = r"fast-start: (?:engine (\d+) serving|failover: .* standby (\d+) serving)"
+STANDING = r"fast-start: engine (\d+) standing by"
+
+
+def standby_drills(model: Path, engine_args: list[str], env: dict, log: Path, deadline_s: float, drills: int,
+                   daemon_pid: int) -> list[dict]:
+    """`vllm serve` under `fast_start.supervise --standby`, requests streaming; `drills` times, once
+    a standby stands by: its serving engine's core killed (-9), timed from the kill to the first
+    answer to a request sent after it. The first start's run (from exec), then each drill's, with the GPU's used
+    memory (NVML) and the daemon's RSS as each drill begins and after the last."""
+    from devtools.harness import free_port
+    port = free_port()
+    e = Engine([sys.executable, "-m", "fast_start.supervise", "--standby", f"127.0.0.1:{port}", "--", *SERVE[1:],
+                str(model), *engine_args], env, log)
+    runs = [ask(e, port, str(model), deadline_s)]
+    serving_only = gpu_used_mib()       # the standby is starting: its context comes seconds later
+    stream = Stream(e, port, str(model))
+    for i in range(drills):
+        if runs[-1]["first_answer_s"] is None or not wait_line(e, STANDING, i + 1, deadline_s):
+            break
+        last = lines_matching(e, SERVING)[-1]
+        core = engine_core(int(last[1] or last[2]))
+        memory = {"gpu_used_mib": gpu_used_mib(), "daemon_rss_mib": rss_mib(daemon_pid)}
+        killed = e.since()
+        os.kill(core, 9)
+        answered = stream.answered_after(killed, deadline_s)
+        r = ask(e, port, str(model), deadline_s)        # the answers after the failover
+        runs.append({**r, "first_answer_s": round(answered - killed, 3) if answered else None,
+                     "killed_at": killed, **memory})
+    stream.stop()
+    wait_line(e, STANDING, len(runs), deadline_s)
+    end = {"gpu_used_mib": gpu_used_mib(), "daemon_rss_mib": rss_mib(daemon_pid), "serving_only_mib": serving_only,
+           "failovers": [float(m[1]) for m in lines_matching(e, r"serving (\d+\.\d+) s later")],
+           "backed_s": [float(m[1]) for m in lines_matching(e, r"GiB backed in (\d+\.\d+) s")],
+           "requests": len(stream.records), "failed_requests": sum(a is None for _, _, a in stream.records)}
+    rc = e.stop()
+    return [{**r, "rc": rc, "lines": e.lines, **({"end": end} if k == 0 else {})} for k, r in enumerate(runs)]
+
+
+def complete(port: int, model: str, prompt: str, timeout: float = 300) -> str:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                        "ignore_eos": True}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                      {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as r:
+    with urllib.request.urlopen(request, timeout=timeout) as r:
         return json.loads(r.read())["choices"][0]["text"]
 
 
@@ -312,6 +439,8 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--kills", type=int, help="times the supervised engine is killed and restarted "
                     "(default: --repeat; 0: no supervised case)")
     ap.add_argument("--emptied", type=int, default=1, help="zero_copy starts with every cache emptied first")
+    ap.add_argument("--standby", type=int, default=0, help="failover drills of an engine with a standby "
+                    "(`fast_start.supervise --standby`): its serving engine's core killed (-9) under a request stream")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                     help="set for every engine (e.g. VLLM_WORKER_MULTIPROC_METHOD=fork); named in the title")
     ap.add_argument("--default-only", action="store_true", help="the default loader's cases only, no daemon")
@@ -384,6 +513,18 @@ def main() -> None:
             record(r, "zero_copy supervised, first" if i == 0 else "zero_copy supervised, restart", log,
                    windowed(r.pop("lines"), r["window"]))
 
+    def run_standby(loader: dict, daemon_pid: int) -> None:
+        """An engine with a standby: its first start, then `--standby` failovers, each from its kill."""
+        log = args.out / "zero_copy-standby.log"
+        rs = standby_drills(model, serve_flags(args, loader), env, log, args.deadline, args.standby, daemon_pid)
+        bounds = [r.get("killed_at", 0.0) for r in rs]
+        for i, r in enumerate(rs):
+            r["window"] = [bounds[i], bounds[i + 1] if i + 1 < len(rs) else None]
+            record(r, "zero_copy standby, first" if i == 0 else "zero_copy standby, failover", log,
+                   windowed(r.pop("lines"), r["window"]))
+        print(f"standby: {json.dumps(rs[0].get('end'))}; memory at each drill: "
+              f"{[(r.get('gpu_used_mib'), r.get('daemon_rss_mib')) for r in rs[1:]]}", flush=True)
+
     if not args.fast_start_only:
         for i in range(args.repeat):
             shutil.rmtree(caches, ignore_errors=True)
@@ -411,6 +552,8 @@ def main() -> None:
                 run("zero_copy emptied", i, {**loader, "mode": "zero_copy"})
             if args.api == "serve" and args.kills != 0:
                 run_supervised({**loader, "mode": "zero_copy"})
+            if args.api == "serve" and args.standby:
+                run_standby({**loader, "mode": "zero_copy"}, d.proc.pid)
         finally:
             d.stop()
     summary = summarize(runs, title)
