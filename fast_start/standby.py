@@ -37,7 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from .supervise import STOPS, WINDOW_S, Failures, child, children, say
+from .forked import STOPS, WINDOW_S, Failures, child, children, say
 
 STARTING, STANDBY, SERVING = "starting", "standby", "serving"
 STARTS_AS = "FAST_START_STARTS_AS"      # what a forked engine starts as: SERVING, or STANDBY (its KV cache light)

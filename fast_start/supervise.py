@@ -24,24 +24,16 @@ import runpy
 import signal
 import sys
 import time
-import traceback
-from collections import deque
 from importlib.metadata import entry_points
 
-WINDOW_S = 600
+from .forked import STOPS, WINDOW_S, Failures, child, children, say
+
 PRELOAD = {"vllm": ("vllm.entrypoints.cli.serve", "vllm.entrypoints.openai.api_server",   # `vllm serve`'s imports
                     "vllm.v1.engine.core")}
 # Unless the operator set them: `vllm serve` spawns its engine process (a fresh interpreter that
 # imports vLLM again, 15 s on the GPU machine) unless told to fork it from the warm one.
 ENV = {"vllm": {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}}
 PR_SET_CHILD_SUBREAPER = 36
-STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)      # forwarded to the engine; no restart follows
-
-
-def say(line: str) -> None:
-    """One line in one write: the engine writes to the same journal stream at the same time."""
-    sys.stderr.write(f"fast-start: {line}\n")
-    sys.stderr.flush()
 
 
 def engine(command: list[str]):
@@ -77,32 +69,6 @@ def preload(modules: list[str]) -> None:
                          f"drop the --preload that does ({', '.join(modules)})")
 
 
-def child(main, argv: list[str]) -> None:
-    """The forked engine: its own process group, default signals, `argv` as its command line."""
-    code = 1
-    try:
-        os.setpgid(0, 0)
-        for sig in STOPS:       # blocked since before the fork: none reached the supervisor's handler here
-            signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
-        sys.argv = argv
-        result = main()
-        code = result if isinstance(result, int) else 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):      # closed by the engine
-                pass
-        os._exit(code)
-
-
 def reap_all(group: int) -> None:
     """Kill the engine's process group and whatever else it left (the supervisor is their subreaper),
     and reap them all: the GPU is free when this returns."""
@@ -118,35 +84,8 @@ def reap_all(group: int) -> None:
             return
 
 
-def children() -> list[int]:
-    """The supervisor's living children (an engine's orphans are reparented here)."""
-    out = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/children") as f:
-                out += [int(p) for p in f.read().split()]
-        except OSError:
-            continue
-    return out
-
-
 def described(status: int) -> str:
     return f"signal {signal.Signals(-status).name}" if status < 0 else f"exit {status}"
-
-
-class Failures:
-    """An engine's failures within the last `WINDOW_S`."""
-
-    def __init__(self):
-        self.times: deque[float] = deque()
-
-    def add(self) -> int:
-        """Count one now: how many the window holds."""
-        now = time.monotonic()
-        self.times.append(now)
-        while now - self.times[0] > WINDOW_S:
-            self.times.popleft()
-        return len(self.times)
 
 
 class Supervisor:
