@@ -1,6 +1,7 @@
 """RUNBOOK.md, every `sh` block in order, as root in a container booted with systemd: the Debian
 package installed with apt, a vLLM fill under the shipped unit, a reload, an upgrade of the
-engine's environment and one of fast-start, a crash, the purge. Each block runs under `bash -euo pipefail`; its own
+engine's environment and one of fast-start, a crash, a vLLM server with a hot standby and its
+failover drill, the purge. Each block runs under `bash -euo pipefail`; its own
 commands are the checks (status exits 1 unless every model is cached, verify 1 on a mismatch,
 grep 1 on no match). The test machine's differences are put in the text before it runs
 (`HERE`): the CPU device, synthetic checkpoints, engine environments whose vLLM is the test's."""
@@ -29,7 +30,11 @@ HERE = {'device = "cuda"': 'device = "cpu"', "./fast-start_*_all.deb": f"/srv/de
         "./new/fast-start_*_all.deb": f"/srv/debs/fast-start_{UPGRADE}_all.deb",
         "/opt/vllm-new/.venv/bin/python": "/opt/engine-new/bin/python",
         "/opt/vllm/.venv/bin/python": "/opt/engine/bin/python",
-        "/models/Qwen3-8B-2512": "/srv/model-2512", "/models/Qwen3-8B": "/srv/model"}
+        "/models/Qwen3-8B-2512": "/srv/model-2512", "/models/Qwen3-8B": "/srv/model",
+        # vLLM's CPU build: its server's module (its CLI cannot name its version), eager, small.
+        "vllm serve ": "-m vllm.entrypoints.openai.api_server --model ",
+        "Environment=CUDA_VISIBLE_DEVICES=0": "Environment=VLLM_CPU_KVCACHE_SPACE=1",
+        """'{"fallback": false}'""": """'{"fallback": false}' --enforce-eager --max-model-len 256"""}
 
 
 def blocks() -> list[str]:
@@ -55,6 +60,7 @@ def box(debs, tmp_path_factory, llama):  # noqa: F811
     env = RunEnv(REPO)
     model = readable(shutil.copytree(llama, tmp / "model"))
     newer = readable(synth.write_checkpoint(tmp / "model-2512", synth.Shape(**json_shape(llama)), files=1, seed=5))
+    synth.write_tokenizer(newer, json_shape(llama)["vocab_size"])      # the standby's server takes text
     c = apt_container(tmp, env, debs, {str(model): "/srv/model", str(newer): "/srv/model-2512"})
     # The test's own settings for every instance (the runbook's uninstall removes the folder).
     c.run("mkdir", "-p", "/etc/systemd/system/fast-start@.service.d")
