@@ -13,9 +13,9 @@ sleeps (vLLM's level-1 sleep, its scheduler paused). Each engine is told what it
 vLLM's usual `gpu_memory_utilization`. When the serving engine dies, the front holds new
 connections, the dead engine's processes are killed and reaped (its memory is the standby's KV
 cache's), the standby is woken (its KV cache backed, its graphs valid), and the front joins the
-connections to it; a new standby starts. A death is that of the engine's server (the forked child) or of a process
-of its group titled as vital (`VITAL`: vLLM's engine core and workers); a helper that ends on
-its own is not one. Roles and each failover are one line each on stderr (the unit's journal).
+connections to it; a new standby starts. A death is that of the engine's server (the forked
+child) or of a process of its group titled as vital (`VITAL`: vLLM's engine core and workers);
+a helper that ends on its own is not one. Roles and each failover are one line each on stderr (the unit's journal).
 Both engines answer only from the daemon's weights: a command that would let a miss load from
 disk is refused (`off_the_cache`).
 
