@@ -109,6 +109,7 @@ def placed(sized: dict[str, torch.Tensor], device: torch.device) -> dict[str, to
 def wake() -> None:
     if not all(r.backed for r in _ranges):
         started = time.monotonic()
+        torch.cuda.synchronize()        # nothing may still run on what is unmapped
         for r in _ranges:
             r.back()
         log.info("fast-start: the KV cache's %.2f GiB backed in %.3f s", held() / 2**30, time.monotonic() - started)
@@ -116,6 +117,7 @@ def wake() -> None:
 
 def sleep() -> None:
     if any(r.backed for r in _ranges):
+        torch.cuda.synchronize()        # the last step may still run on the KV cache
         for r in _ranges:
             r.lighten()
         torch.cuda.empty_cache()
