@@ -23,10 +23,10 @@ its gpu_memory_utilization) unless `--eager` or `--utilization` say otherwise:
   timed from its kill to the next answer (serve only); `zero_copy standby`: the same engine under
   `python -m fast_start.supervise --standby`, requests streaming from four threads, its serving
   engine's core killed (-9) `--standby` times once a standby stands by, each failover timed from
-  the kill to the first answer to a request sent after it, with the GPU's used memory (NVML) and the daemon's RSS
-  at each drill and after the last (serve only). Each run records its kept artifacts'
-  outcome (`artifacts`: hit, "hit, yet rebuilt" (vLLM compiled anew from them), miss, refused or
-  unkept, as the engine's fast-start lines say).
+  the kill to the first answer to a request sent after it, with the GPU's used memory (NVML)
+  and the daemon's RSS at each drill and after the last (serve only). Each run records its kept
+  artifacts' outcome (`artifacts`: hit, "hit, yet rebuilt" (vLLM compiled anew from them), miss,
+  refused or unkept, as the engine's fast-start lines say).
 
 `--api llm` runs the same cases through `LLM()` and one `generate` instead of the server.
 Each run: the wall time from exec to the first answered request, and its phases as the engine's
@@ -261,8 +261,8 @@ def standby_drills(model: Path, engine_args: list[str], env: dict, log: Path, de
                    daemon_pid: int) -> list[dict]:
     """`vllm serve` under `fast_start.supervise --standby`, requests streaming; `drills` times, once
     a standby stands by: its serving engine's core killed (-9), timed from the kill to the first
-    answer to a request sent after it. The first start's run (from exec), then each drill's, with the GPU's used
-    memory (NVML) and the daemon's RSS as each drill begins and after the last."""
+    answer to a request sent after it. The first start's run (from exec), then each drill's, with
+    the GPU's used memory (NVML) and the daemon's RSS as each drill begins and after the last."""
     from devtools.harness import free_port
     port = free_port()
     e = Engine([sys.executable, "-m", "fast_start.supervise", "--standby", f"127.0.0.1:{port}", "--", *SERVE[1:],
@@ -507,21 +507,21 @@ def main() -> None:
         log = args.out / "zero_copy-supervised.log"
         rs = supervised(model, serve_flags(args, loader), env, log, args.deadline,
                         args.repeat if args.kills is None else args.kills)
+        record_windows(rs, "zero_copy supervised", "restart", log)
+
+    def record_windows(rs: list[dict], case: str, then: str, log: Path) -> None:
+        """One engine's runs, each from its kill (the first from exec), recorded as "CASE, first"
+        and "CASE, THEN", each with its window of the engine's log."""
         bounds = [r.get("killed_at", 0.0) for r in rs]
         for i, r in enumerate(rs):
             r["window"] = [bounds[i], bounds[i + 1] if i + 1 < len(rs) else None]
-            record(r, "zero_copy supervised, first" if i == 0 else "zero_copy supervised, restart", log,
-                   windowed(r.pop("lines"), r["window"]))
+            record(r, f"{case}, first" if i == 0 else f"{case}, {then}", log, windowed(r.pop("lines"), r["window"]))
 
     def run_standby(loader: dict, daemon_pid: int) -> None:
         """An engine with a standby: its first start, then `--standby` failovers, each from its kill."""
         log = args.out / "zero_copy-standby.log"
         rs = standby_drills(model, serve_flags(args, loader), env, log, args.deadline, args.standby, daemon_pid)
-        bounds = [r.get("killed_at", 0.0) for r in rs]
-        for i, r in enumerate(rs):
-            r["window"] = [bounds[i], bounds[i + 1] if i + 1 < len(rs) else None]
-            record(r, "zero_copy standby, first" if i == 0 else "zero_copy standby, failover", log,
-                   windowed(r.pop("lines"), r["window"]))
+        record_windows(rs, "zero_copy standby", "failover", log)
         print(f"standby: {json.dumps(rs[0].get('end'))}; memory at each drill: "
               f"{[(r.get('gpu_used_mib'), r.get('daemon_rss_mib')) for r in rs[1:]]}", flush=True)
 

@@ -442,7 +442,7 @@ class FastStartLoader(BaseModelLoader):
                         model_config.model, miss.what, f"; differing fields: {', '.join(fields)}" if fields else "")
             return self.default_loader().load_model(vllm_config, model_config, prefix)
         nbytes = sum(t.nbytes for t in weights.tensors.values())
-        _log_load(spec, weights, record, o.mode, clock, 1e3 * (time.thread_time() - cpu_start), on_meta)
+        _log_load(spec, weights, nbytes, record, o.mode, clock, 1e3 * (time.thread_time() - cpu_start), on_meta)
         model.fast_start_source = weights.source
         roles.holding(weights)
         if o.artifacts:
@@ -452,13 +452,12 @@ class FastStartLoader(BaseModelLoader):
         return model.eval()
 
 
-def _log_load(spec: WeightSpec, weights, record: FillRecord, mode: str, clock: list[float], cpu: float,
-              on_meta: bool) -> None:
+def _log_load(spec: WeightSpec, weights, nbytes: int, record: FillRecord, mode: str, clock: list[float],
+              cpu: float, on_meta: bool) -> None:
     """The load's line: what came from the cache and each step's time (`clock`: its start, then the
     end of the fetch, of the build, of the install). The CPU time says whether a slow load computed
     slowly or waited (for the GPU, the daemon, the CPU itself where the machine is oversubscribed)."""
     fetched, built, prepared = (1e3 * (b - a) for a, b in zip(clock, clock[1:]))
-    nbytes = sum(t.nbytes for t in weights.tensors.values())
     rank = f"rank {spec.rank} of {spec.tensor_parallel_size * spec.pipeline_parallel_size}"
     if spec.data_parallel_size > 1:
         rank += f" (DP rank {spec.data_parallel_rank} of {spec.data_parallel_size})"
