@@ -23,11 +23,14 @@ def say(line: str) -> None:
     sys.stderr.flush()
 
 
-def child(main, argv: list[str]) -> None:
-    """The forked engine: its own process group, default signals, `argv` as its command line."""
+def child(main, argv: list[str], first: str) -> None:
+    """The forked engine: its own process group, default signals, `argv` as its command line. It says
+    `first` itself, so that the line comes whole before the engine's own output (an unbuffered
+    engine writes a line's text and its newline apart, and the supervisor's line could fall between)."""
     code = 1
     try:
         os.setpgid(0, 0)
+        say(first)
         for sig in STOPS:       # blocked since before the fork: none reached the supervisor's handler here
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)

@@ -177,7 +177,8 @@ class Standby:
             for other in self.engines:
                 other.close()
             os.environ[STARTS_AS] = starts_as
-            child(self.main, [*self.argv, "--uds", path])
+            child(self.main, [*self.argv, "--uds", path],
+                  f"engine {os.getpid()} starting from the warm interpreter ({starts_as} once it listens)")
         try:
             os.setpgid(pid, pid)        # also here: a stop forwarded at once reaches the group
         except OSError:
@@ -186,7 +187,6 @@ class Standby:
         engine.watched[os.pidfd_open(pid)] = pid
         self.engines.append(engine)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)      # a stop from now on reaches this engine too
-        say(f"engine {pid} starting from the warm interpreter ({starts_as} once it listens)")
         return engine
 
     def serving(self) -> Engine | None:

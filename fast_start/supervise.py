@@ -110,13 +110,13 @@ class Supervisor:
         signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)        # a stop now waits until the engine's pid is known
         self.pid = os.fork()
         if self.pid == 0:
-            child(self.main, self.argv)
+            child(self.main, self.argv, f"engine started (pid {os.getpid()}) from the warm interpreter, "
+                                        f"{time.monotonic() - started:.2f} s")
         try:
             os.setpgid(self.pid, self.pid)      # also here: a signal forwarded at once reaches the group
         except OSError:
             pass
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
-        say(f"engine started (pid {self.pid}) from the warm interpreter, {time.monotonic() - started:.2f} s")
         _, status = os.waitpid(self.pid, 0)       # retried by Python after a forwarded stop's handler
         reap_all(self.pid)
         return os.waitstatus_to_exitcode(status)

@@ -128,6 +128,18 @@ def test_an_engine_ended_by_the_stop_signal_ends_the_supervisor_by_it_too(tmp_pa
     assert s.proc.wait(60) == -signal.SIGTERM
 
 
+def test_the_engines_first_line_comes_whole_after_the_supervisors(tmp_path):
+    """An unbuffered engine (PYTHONUNBUFFERED=1, as units often set) writes a line's text and its
+    newline apart; the supervisor's line never falls between them, on any of 20 starts."""
+    env = write_module(tmp_path / "mods", "ready", 'print("engine ready")\n')
+    for _ in range(20):
+        out = subprocess.run([*SUPERVISE, "--", "-m", "ready"], env={**env, "PYTHONUNBUFFERED": "1"}, timeout=60,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = out.stdout.splitlines()
+        assert out.returncode == 0 and lines[2] == "engine ready", out.stdout
+        assert re.fullmatch(r"fast-start: engine started \(pid \d+\) from the warm interpreter, [\d.]+ s", lines[1])
+
+
 def test_a_command_it_cannot_run_is_named_with_the_fix(tmp_path):
     out = subprocess.run([*SUPERVISE, "--", "no-such-engine", "serve"], capture_output=True, text=True, env=ENV,
                          timeout=60)
