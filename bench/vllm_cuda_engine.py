@@ -13,8 +13,9 @@ runs the engine with `enable_sleep_mode`, then sleeps and wakes it at that level
 `reload_weights` between waking them and the KV cache), `"reload": true` runs `reload_weights`:
 the tokens and the digest are then taken again (`after`). `"standby": true` starts the engine as
 the standby's supervisor starts a standby (its KV cache light, FAST_START_STARTS_AS=standby),
-sleeps and wakes it before it generates, and reports the GPU's free bytes at each step
-(`free`: started, asleep, awake). `"gpu_memory_utilization"` (default 0.3).
+sleeps and wakes it before it generates, and reports the GPU's free bytes at each step (`free`:
+started, asleep, awake; with a `socket_dir`, the daemon's leases while asleep as `status` shows
+them: `leases_asleep`). `"gpu_memory_utilization"` (default 0.3).
 `"wait_for": FILE` keeps the engine generating (`meanwhile`) until FILE exists, then once more
 (`again`); OUT.up is written once it serves. `"engine"` overrides the defaults here (eager, bf16,
 0.3); `"gpu_memory_utilization": null` leaves vLLM's own default.
@@ -107,6 +108,14 @@ def free_bytes(model: torch.nn.Module) -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+def leases(socket_dir: str) -> list[dict]:
+    """GPU 0's daemon's leases as `fast-start status` shows them: pid, role, GPU memory."""
+    from fast_start import protocol, reports
+    from fast_start.cli import ask_report
+    status = ask_report(socket_dir, 0, protocol.Status(), reports.Status)
+    return [{"pid": l.pid, "role": l.role, "gpu_bytes": l.gpu_bytes} for l in status.leases]
+
+
 def _margin(step: dict) -> float:
     """The top log-probability minus the second (vLLM's logprobs of one generated step)."""
     top = sorted((p.logprob for p in step.values()), reverse=True)
@@ -135,6 +144,8 @@ def main() -> None:
         free["started"] = llm.apply_model(free_bytes)[0]
         llm.sleep(level=1)
         free["asleep"] = llm.apply_model(free_bytes)[0]
+        if "socket_dir" in kwargs["model_loader_extra_config"]:
+            free["leases_asleep"] = leases(kwargs["model_loader_extra_config"]["socket_dir"])
         llm.wake_up()
         free["awake"] = llm.apply_model(free_bytes)[0]
     params = SamplingParams(temperature=0.0, max_tokens=16, detokenize=False, logprobs=2)

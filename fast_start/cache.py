@@ -456,7 +456,7 @@ class Cache:
     # -- reports -------------------------------------------------------------------------------
     def status(self, peer: Peer | None = None) -> reports.Status:
         admin = peer is None or peer.admin
-        now = memory.of(self.device)
+        now, used = memory.of(self.device), memory.by_process(self.device)
         with self.lock:
             missing = [self.pending.get(n) or reports.Missing(n, "missing")
                        for n in self.configured if n not in self.entries]
@@ -466,7 +466,8 @@ class Cache:
                 fill_seconds=round(e.fill_seconds, 3), filled_at=e.filled_at, adopted=e.adopted,
                 arenas=len(e.manifest.arenas), path=e.model.path if admin else None, note=self.notes.get(n))
                 for n, e in self.entries.items()]
-            leases = [l for l in self.leases.held.values() if admin or l.uid == peer.uid]
+            leases = [l._replace(gpu_bytes=used.get(l.pid)) for l in self.leases.held.values()
+                      if admin or l.uid == peer.uid]
             return reports.Status(gpu=self.gpu, state="ready" if not missing else "incomplete", pid=os.getpid(),
                                   models=models, missing=missing, leases=leases, device=self.device,
                                   version=__version__, started_at=self.started, reloads=self.reloads,

@@ -270,8 +270,7 @@ def _status_table(states: list) -> None:
             if m is None:
                 table.add_row(str(s.gpu), "ready", "(none)", "", "", "", "", "-")
                 continue
-            held = [f"{lease.pid}:{lease.mode}" + ("" if lease.role == "serving" else f":{lease.role}")
-                    for lease in s.leases if lease.model == m.name]
+            held = [_lease(lease) for lease in s.leases if lease.model == m.name]
             table.add_row(str(s.gpu), "ready", m.name, f"{m.rank}/{m.tensor_parallel_size}", f"{m.bytes / 2**30:.2f}",
                           m.fingerprint, "re-adopted" if m.adopted else str(m.fill_seconds), " ".join(held) or "-")
         for m in s.missing:
@@ -302,6 +301,13 @@ def _status_table(states: list) -> None:
             when = f"; last engine start: {last}, {_duration(time.time() - a.at)} ago" if last else ""
             out.print(f"GPU {s.gpu} {a.model}: uid {a.uid}'s kept artifacts: {a.sets} set(s), "
                       f"{configs.format_bytes(a.bytes)}{when}", highlight=False)
+
+
+def _lease(lease: reports.Lease) -> str:
+    """"pid:mode", its role where it is not serving, the GPU memory its process uses where told."""
+    role = "" if lease.role == "serving" else f":{lease.role}"
+    used = f" {lease.gpu_bytes / 2**30:.2f} GiB" if lease.gpu_bytes is not None else ""
+    return f"{lease.pid}:{lease.mode}{role}{used}"
 
 
 def _duration(seconds: float) -> str:

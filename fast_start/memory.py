@@ -56,6 +56,32 @@ def of(device: str) -> Memory | None:
     return Memory(info.total, info.free)
 
 
+class _Process(ctypes.Structure):       # nvmlProcessInfo_v2_t
+    _fields_ = [("pid", ctypes.c_uint), ("used", ctypes.c_ulonglong), ("gpu_instance", ctypes.c_uint),
+                ("compute_instance", ctypes.c_uint)]
+
+
+_MOST_PROCESSES = 256
+_NOT_AVAILABLE = 2**64 - 1              # NVML_VALUE_NOT_AVAILABLE
+
+
+def by_process(device: str) -> dict[int, int]:
+    """The GPU memory each process with a CUDA context on `device` (a GPU's UUID) uses, by pid as
+    NVML tells them; empty where it cannot be told (the CPU, no NVML, another pid namespace's pids
+    do not match ours)."""
+    if device == "cpu":
+        return {}
+    try:
+        lib, handle = _library(), ctypes.c_void_p()
+        count, found = ctypes.c_uint(_MOST_PROCESSES), (_Process * _MOST_PROCESSES)()
+        if lib.nvmlDeviceGetHandleByUUID(device.encode(), ctypes.byref(handle)) or \
+                lib.nvmlDeviceGetComputeRunningProcesses_v2(handle, ctypes.byref(count), found):
+            return {}
+    except (OSError, AttributeError):
+        return {}
+    return {p.pid: p.used for p in found[:count.value] if p.used != _NOT_AVAILABLE}
+
+
 def _host() -> Memory | None:
     try:
         with open("/proc/meminfo") as f:

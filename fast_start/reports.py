@@ -63,6 +63,7 @@ class Lease(NamedTuple):
     mode: str
     since: float
     role: str = "serving"               # its engine's, as its worker last said (`protocol.ROLES`)
+    gpu_bytes: int | None = None        # the GPU memory its process uses (NVML); None: not told
 
 
 class Failover(NamedTuple):             # a standby woken after the serving engine of its model died

@@ -372,6 +372,8 @@ def test_a_standby_starts_with_no_kv_memory_and_its_captured_graphs_serve_once_w
     free = got["free"]
     assert free["started"] - free["awake"] >= 0.9 * float(kv[1]) * 2**30, (free, kv[1])
     assert got["source"] == "cache" and got["tokens"] == want["tokens"]
+    (lease,) = free["leases_asleep"]         # `status`: the standby's role and what its process holds asleep
+    assert lease["role"] == "standby" and 0 < lease["gpu_bytes"] <= 4 * 2**30, (lease, free)     # the target
     rc, _, log = vllm_engine(tmp_path / "level-2.json", path, load_format="fast_start", standby=True, sleep=2,
                              engine={"enable_sleep_mode": False}, extra={"socket_dir": str(tmp_path / "run"),
                                                                          "fallback": False})

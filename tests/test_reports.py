@@ -56,3 +56,14 @@ def test_an_older_daemons_status_reads_with_defaults_and_a_newer_ones_extra_keys
 def test_a_float_field_takes_an_integer_as_json_writes_it():
     s = reports.read(reports.Eviction, {"time": 1700000000, "model": "m", "reason": "manual", "bytes": 1, "leases": 0})
     assert s.time == 1700000000
+
+
+def test_a_leases_role_and_gpu_memory_come_over_json_and_show_in_status():
+    """A standby's lease as the daemon reports it (its process's GPU memory from NVML) and as
+    `fast-start status` prints it; a lease whose memory the daemon cannot tell shows none."""
+    from fast_start.cli import _lease
+    standby = reports.Lease(2, 44, 1000, "m", "zero_copy", 1.7e9, role="standby", gpu_bytes=3 * 2**29)
+    s = status(leases=[reports.Lease(1, 43, 1000, "m", "zero_copy", 1.7e9), standby])
+    wire = json.loads(json.dumps(reports.body(s)))
+    assert reports.read(reports.Status, wire) == s and "gpu_bytes" not in wire["leases"][0]
+    assert [_lease(l) for l in s.leases] == ["43:zero_copy", "44:zero_copy:standby 1.50 GiB"]
