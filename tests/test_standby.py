@@ -210,27 +210,32 @@ def test_a_connection_made_while_no_engine_serves_waits_for_the_next(tmp_path):
         stopped(s)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 def test_a_vllm_server_whose_engine_core_is_killed_fails_over_to_its_standby_with_the_same_tokens(tmp_path,
-                                                                                                 daemons):
+                                                                                                 daemons, tp):
     """vLLM's CPU build (its sleep frees nothing on the CPU, yet pauses the scheduler as on a GPU),
-    both engines on a daemon's weights in zero_copy: the daemon shows their roles and the failover."""
+    both engines on their daemons' weights in zero_copy, one worker per GPU (TP 2: each worker on
+    its own GPU's daemon): every daemon shows its worker's role and the failover."""
     vllm = pytest.importorskip("vllm")
     model = tiny_model(tmp_path / "tiny")
     cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [
-        {"name": "tiny", "path": str(model), "gpus": [0], "layout": "vllm", "engine_version": vllm.__version__}])
-    d = daemons(cfg)
+        {"name": "tiny", "path": str(model), "gpus": list(range(tp)), "tensor_parallel_size": tp, "layout": "vllm",
+         "engine_version": vllm.__version__}])
+    ds = [daemons(cfg, gpu) for gpu in range(tp)]
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="fs-")        # short: vLLM's sockets live there, named within 107 bytes
-    env = {**write_module(tmp_path / "mods", "unused", ""), "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": tmp}
+    env = {**write_module(tmp_path / "mods", "unused", ""), "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": tmp,
+           "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(rank % os.cpu_count()) for rank in range(tp))}  # a core per worker
     s = Supervised(["--standby", f"127.0.0.1:{port}", "--", "-m", "vllm.entrypoints.openai.api_server", "--model",
                     str(model), "--enforce-eager", "--max-model-len", "256", "--kv-cache-memory-bytes",
-                    str(64 << 20), "--load-format", "fast_start", "--model-loader-extra-config",
-                    json.dumps({"socket_dir": str(tmp_path / "run"), "fallback": False})], env, tmp_path / "out.log")
+                    str(64 << 20), "--tensor-parallel-size", str(tp), "--load-format", "fast_start",
+                    "--model-loader-extra-config", json.dumps({"socket_dir": str(tmp_path / "run"), "fallback": False})],
+                   env, tmp_path / "out.log")
     try:
         serving, standby = roles(s)
         want = answer(s, port, model)
-        holders = {engine: holder(d, engine) for engine in (serving, standby)}
-        assert leases(d) == {holders[serving]: "serving", holders[standby]: "standby"}
+        holders = [{engine: holder(d, engine) for engine in (serving, standby)} for d in ds]
+        assert [leases(d) for d in ds] == [{h[serving]: "serving", h[standby]: "standby"} for h in holders]
         old = group_of(serving)
         core = next(p for p in old if open(f"/proc/{p}/cmdline").read().startswith("VLLM::EngineCore"))
         os.kill(core, signal.SIGKILL)
@@ -240,9 +245,11 @@ def test_a_vllm_server_whose_engine_core_is_killed_fails_over_to_its_standby_wit
         assert not any(alive(p) for p in old)
         serving_now, next_standby = roles(s, 2)
         assert serving_now == standby
-        assert leases(d) == {holders[standby]: "serving", holder(d, next_standby): "standby"}
-        last = status(d)["last_failover"]
-        assert (last["died"], last["serving"], status(d)["failovers"]) == (holders[serving], holders[standby], 1)
+        assert [leases(d) for d in ds] == [{h[standby]: "serving", holder(d, next_standby): "standby"}
+                                           for d, h in zip(ds, holders)]
+        for d, h in zip(ds, holders):
+            last = status(d)["last_failover"]
+            assert (last["died"], last["serving"], status(d)["failovers"]) == (h[serving], h[standby], 1)
         assert sum("imported in" in ln for ln in s.lines if ln) == 1
     finally:
         stopped(s)
