@@ -48,7 +48,7 @@ MODELS = {"qwen3-bf16": (DENSE, {}), "qwen3-fp8": (DENSE, {"fp8": "block"}), "mo
           "moe-nvfp4": (MOE, {"fp4": "ct-w4a16"}), "qwen3-nvfp4-a4": (DENSE, {"fp4": "ct-w4a4"}),
           "qwen3-nvfp4-modelopt": (DENSE, {"fp4": "modelopt"}), "qwen3-14b-nvfp4": (QWEN3_14B, {"fp4": "ct-w4a16"}),
           "gpt-oss-mxfp4": (GPT_OSS, {})}
-# Engine settings a model is served with, by its engines and its [[model]] alike (vLLM's default
+# Engine settings a model is served with, by its engines and its [model.vllm] alike (vLLM's default
 # MXFP4 MoE backend on Hopper, Triton, keeps its processed scales outside the layer: not cached).
 SERVED = {"gpt-oss-mxfp4": {"moe_backend": "marlin"}}
 # FAST_START_BENCH_PROFILE=1: each engine with vLLM's model loading under cProfile
@@ -167,7 +167,7 @@ def daemon(models: dict[str, Path]):
     lines = ["[daemon]", f'socket_dir = "{run_dir}"', 'device = "cuda"', f'worker_python = "{sys.executable}"']
     for name, path in models.items():
         lines += ["", "[[model]]", f'name = "{name}"', f'path = "{path}"', "gpus = [0]", 'engine = "vllm"',
-                  'engine_version = "auto"', *(f'{k} = "{v}"' for k, v in SERVED.get(name, {}).items())]
+                  'engine_version = "auto"', "[model.vllm]", *(f'{k} = "{v}"' for k, v in SERVED.get(name, {}).items())]
     config = WORK / "fs.toml"
     config.write_text("\n".join(lines) + "\n")
     listen = WORK / "notify.sock"

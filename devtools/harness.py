@@ -87,8 +87,10 @@ def free_port() -> int:
 def write_config(path: Path, socket_dir: Path, models: list[dict], device: str = "cpu", **daemon) -> Path:
     lines = ["[daemon]", f'socket_dir = "{socket_dir}"', f'device = "{device}"']
     lines += [f"{k} = {_toml(v)}" for k, v in daemon.items()]
-    for m in models:
-        lines += ["", "[[model]]"] + [f"{k} = {_toml(v)}" for k, v in m.items()]
+    for m in models:        # a dict value: the model's [model.<key>] table (an engine's settings)
+        lines += ["", "[[model]]"] + [f"{k} = {_toml(v)}" for k, v in m.items() if not isinstance(v, dict)]
+        for table, values in ((k, v) for k, v in m.items() if isinstance(v, dict)):
+            lines += [f"[model.{table}]"] + [f"{k} = {_toml(v)}" for k, v in values.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 

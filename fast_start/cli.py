@@ -351,8 +351,8 @@ def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint 
                     revision: str = typer.Option("main", "--revision"),
                     engine_version: str = typer.Option("", "--engine-version"),
                     pp: int = typer.Option(1, "--pp", help="pipeline stages (engine vllm); --rank is the global rank"),
-                    kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="engine vllm"),
-                    moe_backend: str = typer.Option("auto", "--moe-backend", help="engine vllm"),
+                    settings: list[str] = typer.Option([], "--setting", help="KEY=VALUE of the engine's "
+                                                       "[model.<engine>] table (a TOML value, or a bare word)"),
                     dp: int = typer.Option(1, "--dp", help="data-parallel ranks (engine vllm)"),
                     dp_rank: int = typer.Option(0, "--dp-rank", help="this engine's DP rank"),
                     ep: bool = typer.Option(False, "--ep", help="the engine's --enable-expert-parallel (engine vllm)"),
@@ -366,9 +366,9 @@ def fingerprint_cmd(model: Path = typer.Option(..., "--model", help="checkpoint 
     daemon could serve. --rank counts TP × PP ranks within --dp-rank's engine."""
     m = configs.ModelConfig(name="fingerprint", path=str(model.absolute()), gpus=(0,), tensor_parallel_size=tp,
                             dtype=dtype, quantization=quantization, engine=engine, layout=layout, revision=revision,
-                            engine_version=engine_version, pipeline_parallel_size=pp, kv_cache_dtype=kv_cache_dtype,
-                            moe_backend=moe_backend, data_parallel_size=dp, enable_expert_parallel=ep,
-                            expert_placement_strategy=placement)
+                            engine_version=engine_version, pipeline_parallel_size=pp, data_parallel_size=dp,
+                            enable_expert_parallel=ep, expert_placement_strategy=placement)
+    m = configs.with_settings(m, dict(_setting(s) for s in settings), "fingerprint", "--setting")
     configs.check_model(m, "fingerprint:", check_paths=True, names=FLAGS)
     ranks = tp * pp
     if not 0 <= rank < ranks:
@@ -391,7 +391,19 @@ FLAGS = {"tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp", "dtyp
          "engine": "--engine",
          "quantization": "--quantization", "engine_version": "--engine-version", "path": "--model",
          "data_parallel_size": "--dp", "enable_expert_parallel": "--ep", "expert_placement_strategy": "--expert-placement",
-         "kv_cache_dtype": "--kv-cache-dtype", "moe_backend": "--moe-backend", "revision": "--revision"}
+         "revision": "--revision"}
+
+
+def _setting(text: str) -> tuple[str, object]:
+    """--setting KEY=VALUE: VALUE as TOML reads it (`true`, `2`, `["A=1"]`), else the word itself."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"fingerprint: --setting {text!r} is not KEY=VALUE",
+                          "write it as --setting KEY=VALUE, KEY one of the engine's [model.<engine>] table")
+    try:
+        return key.strip(), configs.tomllib.loads(f"v = {value}")["v"]
+    except configs.tomllib.TOMLDecodeError:
+        return key.strip(), value
 
 
 def _check_tp(folder: Path, tp: int, name: str) -> None:
@@ -653,6 +665,7 @@ def check_config(config: Path = CONFIG, as_json: bool = JSON,
     cfg = configs.load(config, check_paths=whole)
     checks = [{"check": "config", "ok": bool(cfg.models) or not whole, "detail": f"{config}: {len(cfg.models)} model(s)"
                + ("" if cfg.models or not whole else ": no [[model]], so every daemon would serve an empty cache")}]
+    checks += [{"check": "config", "ok": True, "warn": True, "detail": note} for note in cfg.deprecated]
     if reload:          # the unit's ExecReload=: its output is the journal's, and a passing file needs no table
         if as_json or _json[0]:
             emit(checks, as_json, human)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import grp
 import re
 import sys
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 from . import dtypes, engines, quant
@@ -71,19 +71,21 @@ class ModelConfig:
     engine_version: str = ""                # "auto": the engine's version in the worker's environment
     python: str = ""                        # this model's worker interpreter; "" = worker_python
     pipeline_parallel_size: int = 1         # ranks are global: pp_rank * tensor_parallel_size + tp_rank
-    kv_cache_dtype: str = "auto"            # the engine's KV-cache dtype (vLLM: --kv-cache-dtype)
-    moe_backend: str = "auto"               # the engine's MoE kernels (vLLM: --moe-backend)
-    engine_env: tuple[str, ...] = ()        # the engine's kernel-selecting variables ("NAME=VALUE")
     data_parallel_size: int = 1             # an engine's data parallel size
     enable_expert_parallel: bool = False    # an engine's expert parallelism
     expert_placement_strategy: str = "linear"   # ... and its placement of experts
     replicas: int = 1                       # independent engines of the model, each on its share of `gpus`
+    # The engine's own settings: its [model.<engine>] table, typed by the engine (`Engine.settings`);
+    # the engine's defaults where the table is left out; None for a model no engine fills.
+    settings: object = field(default=None, metadata={"table": True})
 
     def __post_init__(self):
         # An engine's model is cached in the engine's layout, which the fingerprint's `layout`
         # names. (A layout naming an engine, as configs said before `engine`, names it too.)
         if self.engine and self.layout == "hf":
             object.__setattr__(self, "layout", self.engine)
+        if self.settings is None and self.filler is not None:
+            object.__setattr__(self, "settings", self.filler.settings())
 
     @property
     def filler(self) -> engines.Engine | None:
@@ -116,6 +118,7 @@ class Config:
     path: str
     daemon: DaemonConfig
     models: tuple[ModelConfig, ...]
+    deprecated: tuple[str, ...] = ()        # what the file says the way an older version did, and the new way
 
     def models_on(self, gpu: int) -> tuple[ModelConfig, ...]:
         return tuple(m for m in self.models if gpu in m.gpus)
@@ -161,7 +164,8 @@ def parse(data: dict, path: str, check_paths: bool = True) -> Config:
     models = data.get("model", [])
     if not isinstance(models, list):
         raise ConfigError(f"{path}: 'model' must be an array of tables", "write each model as [[model]]")
-    parsed = tuple(_table(ModelConfig, m, path, f"[[model]] #{i + 1}") for i, m in enumerate(models))
+    deprecated = []
+    parsed = tuple(_model(m, path, f"[[model]] #{i + 1}", deprecated) for i, m in enumerate(models))
     _check_daemon(daemon, path)
     names = set()
     for i, m in enumerate(parsed):
@@ -170,7 +174,76 @@ def parse(data: dict, path: str, check_paths: bool = True) -> Config:
             raise ConfigError(f"{where}: name {m.name!r} is used twice", "give every model its own name")
         names.add(m.name)
         check_model(m, where, check_paths)
-    return Config(path, daemon, parsed)
+    return Config(path, daemon, parsed, tuple(deprecated))
+
+
+def _model(raw, path: str, where: str, deprecated: list[str]) -> ModelConfig:
+    """A [[model]] table: its own keys, and its engine's settings from its [model.<engine>] table
+    (keys an older version read in the [[model]] itself are moved there, each with a note)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: {where} must be a table", "write it as [[model]]")
+    tables = {k: v for k, v in raw.items() if isinstance(v, dict)}
+    own = {k: v for k, v in raw.items() if k not in tables}
+    moved = {k: own.pop(k) for k in list(own) if k not in _keys(ModelConfig) and _moved_by_an_engine(k)}
+    model = _table(ModelConfig, own, path, where)
+    engine = model.filler
+    if engine is None and (model.engine or model.layout != "hf"):
+        return model        # an engine nobody registered: `check_model` names it with the known ones
+    for name in tables:
+        if engine is None or name != engine.name:
+            raise ConfigError(f"{path}: {where} has a table [model.{name}], but "
+                              + (f"engine {engine.name!r} fills the model" if engine else "no engine fills the model"),
+                              f"name it [model.{engine.name}]" if engine else f"remove it, or set {_by_engine()}")
+    if engine is None:
+        for key, value in moved.items():
+            _unused_setting(key, value, f"{path}: {where} ({model.name!r})", deprecated)
+        return model
+    settings = dict(tables.get(engine.name, {}))
+    for key, value in moved.items():
+        new = engine.moved.get(key)
+        if new is None:
+            raise ConfigError(f"{path}: {where} has unknown key {key!r}", f"remove it: {engine.title} has no such setting")
+        if new in settings:
+            raise ConfigError(f"{path}: {where} sets {key!r} and [model.{engine.name}] {new}",
+                              f"keep [model.{engine.name}] {new} alone")
+        settings[new] = value
+        deprecated.append(f"{path}: {where} ({model.name!r}): key {key!r} is [model.{engine.name}] {new} now; "
+                          "move it there (it is read as if it were)")
+    return with_settings(model, settings, path, f"{where} [model.{engine.name}]")
+
+
+def with_settings(model: ModelConfig, raw: dict, path: str, where: str) -> ModelConfig:
+    """`model` with its engine's settings read from `raw` (the keys of its [model.<engine>] table)."""
+    if model.filler is None:
+        if raw:
+            raise ConfigError(f"{path}: {where} sets {next(iter(raw))!r}, an engine's setting, for a model no engine "
+                              "fills", f"remove it, or set {_by_engine()}")
+        return model
+    return replace(model, settings=_table(model.filler.settings, raw, path, where))
+
+
+def _keys(cls) -> dict:
+    """The keys a table of `cls` takes (its fields, less those its sub-tables fill)."""
+    return {f.name: f for f in fields(cls) if not f.metadata.get("table")}
+
+
+def _moved_by_an_engine(key: str) -> bool:
+    return _owner(key) is not None
+
+
+def _owner(key: str):
+    """The engine whose setting `key` was in a [[model]] of an older version, or None."""
+    return next((e for e in map(engines.get, engines.names()) if key in e.moved), None)
+
+
+def _unused_setting(key: str, value, where: str, deprecated: list[str]) -> None:
+    """An engine's setting as older configs wrote it, in a model no engine fills: its engine's
+    default (the older example's value) is left with a note; any other value is refused."""
+    owner = _owner(key)
+    if (tuple(value) if isinstance(value, list) else value) != getattr(owner.settings(), owner.moved[key]):
+        raise ConfigError(f"{where} key {key!r} is {value!r} for a model no engine fills",
+                          f"remove it, or set {_by_engine()} and write it as [model.{owner.name}] {owner.moved[key]}")
+    deprecated.append(f"{where}: key {key!r} is {owner.title}'s setting, and no engine fills this model; remove it")
 
 
 def parse_bytes(text: str, total: int | None = None) -> int:
@@ -197,12 +270,12 @@ def format_bytes(n: int) -> str:
 def _table(cls, raw, path: str, where: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: {where} must be a table", f"write it as {where.split(' #')[0]}")
-    known = {f.name: f for f in fields(cls)}
+    known = _keys(cls)
     for key in raw:
         if key not in known:
             raise ConfigError(f"{path}: {where} has unknown key {key!r}",
                               f"remove it or use one of {', '.join(known)}")
-    missing = [f.name for f in fields(cls) if f.name not in raw and f.default is MISSING]
+    missing = [k for k, f in known.items() if k not in raw and f.default is MISSING]
     if missing:
         raise ConfigError(f"{path}: {where} lacks key {missing[0]!r}", f"add {missing[0]} = ...")
     values = {}
@@ -290,13 +363,20 @@ def check_model(m: ModelConfig, where: str, check_paths: bool, names: dict[str, 
     """The rules a [[model]] table obeys; `names` renames its keys in the errors (the CLI's
     `fingerprint` names its options)."""
     def bad(key, what, fix):
-        raise ConfigError(f"{where} {names[key]} {what}" if names and key in names else f"{where} key {key!r} {what}",
-                          fix)
+        raise ConfigError(f"{where} {_named(m, key, names)} {what}", fix)
     _check_gpus(m, bad)
     _check_engine(m, bad)
     _check_ranks(m, bad)
     _check_weights(m, bad)
     _check_paths(m, bad, check_paths)
+
+
+def _named(m: ModelConfig, key: str, names: dict[str, str] | None) -> str:
+    """`key` as the config writes it (an engine's setting: in its table), or as `names` renames it."""
+    setting = m.settings is not None and key in _keys(type(m.settings))
+    if names:
+        return f"--setting {key}" if setting else names.get(key, f"key {key!r}")
+    return f"[model.{m.filler.name}] key {key!r}" if setting else f"key {key!r}"
 
 
 def _check_gpus(m: ModelConfig, bad) -> None:
@@ -323,8 +403,8 @@ def _check_engine(m: ModelConfig, bad) -> None:
         if getattr(m, key) != off and m.filler is None:
             value = getattr(m, key)
             bad(key, f"is {list(value) if isinstance(value, tuple) else value!r} for a model no engine fills",
-                f"remove it, or set {_by_engine()}: pipeline stages, data and expert parallelism, the KV-cache "
-                f"dtype, MoE backend and kernel variables are an engine's settings")
+                f"remove it, or set {_by_engine()}: pipeline stages, data and expert parallelism are an "
+                "engine's settings")
     if m.engine_version == AUTO and m.filler is None:
         bad("engine_version", f"is \"auto\", which only an engine's model ({_by_engine()}) can resolve",
             "write the version your engine passes in its WeightSpec")

@@ -69,22 +69,28 @@ def test_fingerprint_takes_every_key_a_models_fingerprint_reads_and_agrees_with_
     [[model]] key that enters it has an option, and the options give the config's digest."""
     entry = {"name": "m", "path": str(small), "gpus": [0], "rank_offset": 5, "engine": "vllm",
              "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "data_parallel_size": 2, "dtype": "float16",
-             "quantization": "fp8", "revision": "r1", "engine_version": "1.2", "kv_cache_dtype": "fp8",
-             "moe_backend": "marlin", "enable_expert_parallel": True, "expert_placement_strategy": "round_robin"}
-    # Not here: layout (the older name of engine), python (the interpreter, not the bytes),
-    # engine_env (the command reads this shell's variables) and replicas (each serves the same
-    # bytes). A new key fails this line until the command has an option for it or it joins them.
-    assert {f.name for f in dataclasses.fields(ModelConfig)} - set(entry) == {"layout", "python", "engine_env",
-                                                                             "replicas"}
+             "quantization": "fp8", "revision": "r1", "engine_version": "1.2", "enable_expert_parallel": True,
+             "expert_placement_strategy": "round_robin",
+             "vllm": {"kv_cache_dtype": "fp8", "moe_backend": "marlin", "env": ["VLLM_USE_DEEP_GEMM=0"]}}
+    # Not here: layout (the older name of engine), python (the interpreter, not the bytes) and
+    # replicas (each serves the same bytes); the engine's table is `settings`, each key a --setting.
+    # A new key fails this line until the command has an option for it or it joins them.
+    assert {f.name for f in dataclasses.fields(ModelConfig)} - set(entry) == {"layout", "python", "replicas",
+                                                                             "settings"}
     spec = configs.load(write_config(tmp_path / "fs.toml", tmp_path / "run", [entry])).models[0].spec(0)
     assert (spec.data_parallel_rank, spec.rank) == (1, 1)        # slot 5 of DP 2 × PP 2 × TP 2
     r = cli("fingerprint", "--model", small, "--engine", "vllm", "--tp", 2, "--pp", 2, "--dp", 2, "--dp-rank", 1,
             "--rank", 1, "--dtype", "float16", "--quantization", "fp8", "--revision", "r1", "--engine-version", "1.2",
-            "--kv-cache-dtype", "fp8", "--moe-backend", "marlin", "--ep", "--expert-placement", "round_robin",
-            "--json")
+            "--setting", "kv_cache_dtype=fp8", "--setting", "moe_backend=marlin", "--setting",
+            'env=["VLLM_USE_DEEP_GEMM=0"]', "--ep", "--expert-placement", "round_robin", "--json")
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["digest"] == fingerprint(spec).digest()
     assert json.loads(r.stdout)["fingerprint"] == fingerprint(spec).to_dict()
+    for setting, named in (("kv_cache=fp8", "fingerprint: --setting has unknown key 'kv_cache'"),
+                           ("moe_backend=Marlin", "fingerprint: --setting moe_backend is 'Marlin'"),
+                           ("moe_backend", "fingerprint: --setting 'moe_backend' is not KEY=VALUE")):
+        r = cli("fingerprint", "--model", small, "--engine", "vllm", "--setting", setting)
+        assert r.exit_code == 2 and r.stderr.startswith(f"error: {named}"), r.stderr
 
 
 def test_verify_match_another_copy_and_no_daemon(tmp_path, small, daemons):

@@ -53,7 +53,10 @@ def test_example_config_validates(small, tmp_path):
 ])
 def test_bad_config_names_file_key_and_fix(small, tmp_path, edit, message):
     f = tmp_path / "fs.toml"
-    f.write_text(example_with(small).replace(*edit, 1))
+    text = example_with(small).replace(*edit, 1)
+    if 'engine = ""' in edit[1]:      # a model no engine fills has no [model.vllm] table: cut it
+        text = text[:text.index("[model.vllm]")]
+    f.write_text(text)
     with pytest.raises(ConfigError) as err:
         configs.load(f)
     assert message in str(err.value) and str(f) in str(err.value) and err.value.fix
@@ -98,15 +101,21 @@ def test_parse_bytes(text, total, want):
     ({"data_parallel_size": 0}, "key 'data_parallel_size' is 0"),
     ({"gpus": [0, 1, 2], "pipeline_parallel_size": 1}, "serves ranks beyond 1"),
     ({"gpus": [0, 1, 2, 3, 4], "data_parallel_size": 2}, "serves ranks beyond 3"),
-    ({"engine_env": ["CUDA_VISIBLE_DEVICES=0"]}, "is not NAME=VALUE with a kernel-selecting variable"),
-    ({"engine_env": ["VLLM_USE_DEEP_GEMM"]}, "is not NAME=VALUE"),
+    ({"vllm": {"env": ["CUDA_VISIBLE_DEVICES=0"]}}, "is not NAME=VALUE with a kernel-selecting variable"),
+    ({"vllm": {"env": ["VLLM_USE_DEEP_GEMM"]}}, "[model.vllm] key 'env' is ['VLLM_USE_DEEP_GEMM']: "),
     ({"quantization": "gptq"}, "vLLM quantization 'gptq' is not verified for caching"),
-    ({"moe_backend": "Marlin"}, "key 'moe_backend' is 'Marlin'"),
+    ({"vllm": {"moe_backend": "Marlin"}}, "[model.vllm] key 'moe_backend' is 'Marlin'"),
+    ({"moe_backend": "Marlin"}, "[model.vllm] key 'moe_backend' is 'Marlin'"),       # as older configs wrote it
     ({"moe_backend": "marlin", "layout": "hf"}, "key 'moe_backend' is 'marlin' for a model no engine fills"),
     ({"kv_cache_dtype": "fp8", "layout": "hf"}, "key 'kv_cache_dtype' is 'fp8' for a model no engine fills"),
     ({"engine_env": ["VLLM_USE_DEEP_GEMM=0"], "layout": "hf"},
      "key 'engine_env' is ['VLLM_USE_DEEP_GEMM=0'] for a model no engine fills"),
-    ({"kv_cache_dtype": "FP8"}, "key 'kv_cache_dtype' is 'FP8'"),
+    ({"vllm": {"kv_cache_dtype": "FP8"}}, "[model.vllm] key 'kv_cache_dtype' is 'FP8'"),
+    ({"vllm": {"kv_cache_dtype": "fp8"}, "layout": "hf"}, "has a table [model.vllm], but no engine fills the model"),
+    ({"toy": {"mode": "a"}}, "has a table [model.toy], but engine 'vllm' fills the model"),
+    ({"vllm": {"kv_cache": "fp8"}}, "[[model]] #1 [model.vllm] has unknown key 'kv_cache'"),
+    ({"vllm": {"env": "VLLM_USE_DEEP_GEMM=0"}}, "[model.vllm] key 'env' is 'VLLM_USE_DEEP_GEMM=0', not a list"),
+    ({"vllm": {"moe_backend": "marlin"}, "moe_backend": "triton"}, "sets 'moe_backend' and [model.vllm] moe_backend"),
 ])
 def test_vllm_model_keys_are_checked(small, tmp_path, model, message):
     """A vLLM model's PP, DP and EP settings, ranks, kernel variables and quantization are refused with the fix."""
@@ -118,14 +127,14 @@ def test_vllm_model_keys_are_checked(small, tmp_path, model, message):
 
 
 def test_vllm_spec_carries_pipeline_rank_and_kernel_variables(small, tmp_path, monkeypatch):
-    """GPU i serves global rank gpus.index(i) + rank_offset; engine_env and the daemon's own
+    """GPU i serves global rank gpus.index(i) + rank_offset; [model.vllm] env and the daemon's own
     kernel variables both enter the fingerprint's engine_options."""
     from devtools.harness import write_config
     monkeypatch.setenv("VLLM_DISABLED_KERNELS", "X")
     monkeypatch.setenv("VLLM_NOT_A_KERNEL_SWITCH", "1")
     cfg = configs.load(write_config(tmp_path / "fs.toml", tmp_path / "run", [
         {"name": "m", "path": str(small), "gpus": [3], "tensor_parallel_size": 2, "pipeline_parallel_size": 2,
-         "rank_offset": 2, "layout": "vllm", "engine_env": ["VLLM_USE_DEEP_GEMM=0"]}]))
+         "rank_offset": 2, "layout": "vllm", "vllm": {"env": ["VLLM_USE_DEEP_GEMM=0"]}}]))
     spec = cfg.models[0].spec(3)
     assert (spec.rank, spec.pipeline_parallel_size) == (2, 2)
     assert json.loads(spec.engine_options) == {"env": {"VLLM_DISABLED_KERNELS": "X", "VLLM_USE_DEEP_GEMM": "0"},
@@ -178,14 +187,35 @@ def test_engine_names_who_fills_a_model_and_the_older_layout_key_means_the_same(
 
 
 def test_a_chosen_moe_backend_enters_the_fingerprint_and_auto_leaves_it_as_before(small, tmp_path):
-    """`moe_backend` picks how vLLM lays out processed MoE weights: a model that names one is
+    """[model.vllm] `moe_backend` picks how vLLM lays out processed MoE weights: a model that names one is
     fingerprinted with it; "auto" (the default) adds nothing, so caches filled before stay valid."""
     from devtools.harness import write_config
     cfg = configs.load(write_config(tmp_path / "fs.toml", tmp_path / "run", [
         {"name": "auto", "path": str(small), "gpus": [0], "layout": "vllm"},
-        {"name": "marlin", "path": str(small), "gpus": [0], "layout": "vllm", "moe_backend": "marlin"}]))
+        {"name": "marlin", "path": str(small), "gpus": [0], "layout": "vllm", "vllm": {"moe_backend": "marlin"}}]))
     auto, marlin = (json.loads(m.spec(0).engine_options) for m in cfg.models)
     assert "moe_backend" not in auto and marlin == {**auto, "moe_backend": "marlin"}
+
+
+def test_vllm_settings_older_configs_wrote_in_the_model_read_the_same_with_a_note_naming_the_new_key(small, tmp_path):
+    """`kv_cache_dtype`, `moe_backend` and `engine_env` in the [[model]] itself (before the
+    [model.vllm] table) give the same model and fingerprint, each with one note naming its new key."""
+    from devtools.harness import write_config
+    old = {"name": "m", "path": str(small), "gpus": [0], "engine": "vllm", "kv_cache_dtype": "fp8",
+           "moe_backend": "marlin", "engine_env": ["VLLM_USE_DEEP_GEMM=0"]}
+    new = {"name": "m", "path": str(small), "gpus": [0], "engine": "vllm",
+           "vllm": {"kv_cache_dtype": "fp8", "moe_backend": "marlin", "env": ["VLLM_USE_DEEP_GEMM=0"]}}
+    was, now = (configs.load(write_config(tmp_path / f"{n}.toml", tmp_path / "run", [m])) for n, m in
+                (("old", old), ("new", new)))
+    assert was.models == now.models and was.models[0].spec(0) == now.models[0].spec(0) and not now.deprecated
+    assert [re.sub(r".*\): ", "", note) for note in was.deprecated] == [
+        f"key {k!r} is [model.vllm] {v} now; move it there (it is read as if it were)"
+        for k, v in (("kv_cache_dtype", "kv_cache_dtype"), ("moe_backend", "moe_backend"), ("engine_env", "env"))]
+    # The older example's values in a model no engine fills: left, each with a note (others are refused).
+    hf = configs.load(write_config(tmp_path / "hf.toml", tmp_path / "run", [
+        {"name": "h", "path": str(small), "gpus": [0], "kv_cache_dtype": "auto", "engine_env": []}]))
+    assert hf.models[0].settings is None and [re.sub(r".*\): ", "", n) for n in hf.deprecated] == [
+        f"key {k!r} is vLLM's setting, and no engine fills this model; remove it" for k in ("kv_cache_dtype", "engine_env")]
 
 
 def test_vllm_spec_counts_slots_dp_rank_by_dp_rank_and_names_the_expert_placement(small, tmp_path):

@@ -4,6 +4,7 @@ changed field. Nothing of fast-start knows it: its module (tests/plugins/toy_eng
 package metadata this test writes are all there is."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -37,15 +38,18 @@ def toy_site(tmp_path, monkeypatch):
 
 def toy_model(path, **kw):
     return {"name": "small", "path": str(path), "gpus": [0], "engine": "toy", "engine_version": "auto",
-            "engine_env": ["TOY_MODE=a"], **kw}
+            "toy": {"mode": "a", "passes": 2}, **kw}
 
 
-def test_an_engine_another_package_registers_fills_fetches_and_misses_on_a_changed_field(tmp_path, small, daemons,
-                                                                                          toy_site):
+def test_an_engine_another_package_registers_fills_fetches_and_misses_on_a_changed_setting(tmp_path, small, daemons,
+                                                                                            toy_site):
+    """Its own typed [model.toy] table is read, fingerprinted and, changed, a miss naming the field."""
     run = tmp_path / "run"
     cfg = write_config(tmp_path / "fs.toml", run, [toy_model(small)])
     daemons(cfg, env=toy_site)
-    spec = configs.load(cfg).models[0].spec(0)._replace(engine_version="1.0")   # "auto": the worker's
+    model = configs.load(cfg).models[0]
+    assert (model.settings.mode, model.settings.passes) == ("a", 2)
+    spec = model.spec(0)._replace(engine_version="1.0")   # "auto": the worker's
 
     weights = fast_start.fetch(spec, socket_dir=str(run), fallback=False)
     want = load_file(str(small / "model.safetensors"))
@@ -54,15 +58,20 @@ def test_an_engine_another_package_registers_fills_fetches_and_misses_on_a_chang
     for name, t in want.items():
         assert torch.equal(weights[name], t * 2), name      # the toy's own rule, applied in its fill
 
-    other = spec._replace(engine_options=engines.get("toy").options(
-        configs.ModelConfig("small", str(small), (0,), engine_env=("TOY_MODE=b",))))
+    changed = dataclasses.replace(model, settings=dataclasses.replace(model.settings, mode="b"))
+    other = spec._replace(engine_options=changed.spec(0).engine_options)
     with pytest.raises(CacheMiss, match="engine_options"):
         fast_start.fetch(other, socket_dir=str(run), fallback=False)
 
 
-def test_an_engines_own_config_rule_is_named_when_the_config_loads(tmp_path, small, toy_site):
-    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [toy_model(small, engine_env=["MODE=a"])])
-    with pytest.raises(ConfigError, match="engine_env' entry 'MODE=a' is not TOY_NAME=VALUE"):
+@pytest.mark.parametrize("table,named", [
+    ({"mode": "c"}, r"\[model.toy\] key 'mode' is 'c'.*use \"a\" or \"b\""),
+    ({"passes": "2"}, r"\[model.toy\] key 'passes' is '2', not an integer"),
+    ({"speed": 1}, r"\[model.toy\] has unknown key 'speed'.*use one of mode, passes"),
+])
+def test_an_engines_own_settings_and_rules_are_named_when_the_config_loads(tmp_path, small, toy_site, table, named):
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [toy_model(small, toy=table)])
+    with pytest.raises(ConfigError, match=named):
         configs.load(cfg)
 
 

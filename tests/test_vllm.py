@@ -108,7 +108,7 @@ def cache(work, checkpoints, fp8_checkpoints, reference):
     models += [("qwen3-moe-dp2-ep", checkpoints["qwen3-moe"], 1,
                 {"data_parallel_size": 2, "enable_expert_parallel": True}),
                ("llama-draft", checkpoints["draft"], 1, {}),
-               ("llama-moe-backend", checkpoints["llama"], 1, {"moe_backend": "triton"})]
+               ("llama-moe-backend", checkpoints["llama"], 1, {"vllm": {"moe_backend": "triton"}})]
     daemons = []
     for node in (0, 1):
         entries = [vllm_model(name, path, [node], tensor_parallel_size=tp, rank_offset=node, **more)
@@ -354,13 +354,13 @@ def test_kernel_choices_the_fill_does_not_make_are_a_miss_naming_them(checkpoint
     for chosen in ("linear_backend='triton'", "all2all_backend='deepep_low_latency'",
                    "kv_cache_dtype_skip_layers=['0']"):
         assert chosen in miss.value.what
-    assert "moe_backend" not in miss.value.what        # a [[model]]'s moe_backend: the next test
+    assert "moe_backend" not in miss.value.what        # a [model.vllm] moe_backend: the next test
     assert miss.value.fix == "serve it without those options to load from the cache"
 
 
 def test_a_models_moe_backend_is_the_fills_and_an_engine_choosing_another_misses(work, checkpoints, reference,
                                                                                 cache):
-    """`moe_backend` in a [[model]]: its fill builds vLLM with that `--moe-backend` and its
+    """`moe_backend` in a [model.vllm] table: its fill builds vLLM with that `--moe-backend` and its
     fingerprint carries it. An engine choosing the same loads from the cache; one choosing another
     misses, naming engine_options. (A dense model: vLLM's CPU build has one MoE backend, its own;
     the H200 benchmark serves gpt-oss's MoE with `moe_backend = "marlin"`.)"""

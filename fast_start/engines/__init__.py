@@ -4,7 +4,8 @@ A model whose `engine` names one is filled by that engine where the fill worker'
 environment has it installed (vLLM builds, loads and processes the rank: `engines/vllm/`);
 otherwise fast-start's own tables build the layout (`materialize.py`). The control plane (the
 config, the daemon, the CLI) asks an engine through `Engine` for what it decides there: its
-config keys and rules, its fingerprint fields, the version installed in a worker's environment.
+settings (`[model.<name>]`) and rules, its fingerprint fields, the version installed in a
+worker's environment.
 Only the fill (`Engine.filler`) and the tables touch torch, imported where they run.
 
 `model` below is a `config.ModelConfig`, `spec` a `fingerprint.WeightSpec` (this package sits
@@ -26,8 +27,7 @@ from .vllm import ENGINE as _VLLM
 # [[model]] keys that only an engine fills (fast-start's own tables shard by TP alone), each with
 # the value that means "off".
 ENGINE_KEYS = {"pipeline_parallel_size": 1, "data_parallel_size": 1, "enable_expert_parallel": False,
-               "expert_placement_strategy": "linear", "kv_cache_dtype": "auto", "moe_backend": "auto",
-               "engine_env": ()}
+               "expert_placement_strategy": "linear"}
 
 
 class Engine(Protocol):
@@ -39,6 +39,12 @@ class Engine(Protocol):
     # fill worker alone (it may import torch and the engine), called as `function(spec, device,
     # progress, chunk)`, returning the manifest and the arenas' fds.
     filler: str
+    # The engine's own settings, a [[model]]'s `[model.<name>]` table: a frozen dataclass whose
+    # fields (annotated str, int, bool or tuple[str, ...]) all have defaults; a model's is
+    # `model.settings`. `moved`: keys older configs wrote in the [[model]] itself, by the field
+    # each now is (read there still, with a deprecation warning).
+    settings: type
+    moved: dict[str, str]
 
     def check(self, model: Any) -> Iterator[tuple[str, str, str]]:
         """(key, what is wrong, the fix) for each of this engine's rules `model` breaks."""

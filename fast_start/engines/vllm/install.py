@@ -36,7 +36,7 @@ def prepare(model: torch.nn.Module, weights: Weights, record: FillRecord, model_
     differs = vllm_state.differences(record.plan, vllm_state.kernel_plan(model))
     if differs:
         raise CacheMiss("this engine chose other kernels than the fill: " + "; ".join(differs),
-                        "fill with the engine's settings (engine_env, kv_cache_dtype, worker python, GPU)")
+                        "fill with the engine's settings ([model.vllm], the worker's python, the GPU)")
     modules = dict(model.named_modules())     # one walk for the installs: neither changes the tree
     if record.stage == "loaded":
         install(modules, weights, record)

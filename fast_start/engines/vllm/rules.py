@@ -1,12 +1,12 @@
 """What a vLLM fill depends on besides the checkpoint, and which quantizations it may cache.
 
-Read without torch or vLLM: the config checks a `[[model]]` with it, the daemon and the engine's
+Read without torch or vLLM: the config checks a `[model.vllm]` table with it, the daemon and the engine's
 plugin both compute the fingerprint's `engine_options` with it (so they agree by construction).
 
 The bytes vLLM holds after `process_weights_after_loading` depend on the kernels it chose at
 construction, and so on the environment variables that steer that choice. `KERNEL_ENV` lists
 them; their values where set, the KV-cache dtype, the pipeline layout and the MoE backend where one
-is chosen (`moe_backend`, vLLM's `--moe-backend`) go into the fingerprint.
+is chosen (`[model.vllm] moe_backend`, vLLM's `--moe-backend`) go into the fingerprint.
 The kernel plan recorded at fill (`state.kernel_plan`) catches whatever this list misses.
 """
 from __future__ import annotations
