@@ -25,9 +25,6 @@ says how the fill is going or why it failed, for `fast-start status`.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
-import grp
 import json
 import logging
 import os
@@ -38,23 +35,23 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from . import __version__, fdstore, files, memory, metrics, notify, protocol, reports, trust, watch
+from . import __version__, fdstore, files, memory, metrics, notify, protocol, reports, startup, trust, views, watch
 from . import config as configs
 from .artifact_store import Artifacts
-from .cache import Cache, Entry
+from .cache import Cache, Events
+from .entry import Entry
 from .leases import Limits
 from .errors import CheckpointError, ConfigError, FastStartError, NoRoom, StartError
 from .fill import FillError, Workers, worker_env
 from .inflight import InFlight
-from .fingerprint import FROM_FILES, fingerprint, requested
+from .fingerprint import fingerprint
 from .journal import fields
 from .keeper import Keeper
 from .manifest import Manifest
 from .serve import Policy, Server
-from .transport import lock_path, socket_path, state_path
+from .transport import socket_path, state_path
 
 log = logging.getLogger("fast_start.daemon")
 METRICS_S = 15.0     # how often `metrics_file` is rewritten
@@ -68,11 +65,6 @@ def device_id(device: str, gpu: int) -> str:
         return "cpu"
     from .cudadrv import device_uuid
     return device_uuid(gpu)
-
-
-def config_fields(model: configs.ModelConfig, gpu: int) -> dict:
-    """The fingerprint fields the config alone decides (no checkpoint file read)."""
-    return {k: v for k, v in requested(model.spec(gpu))._asdict().items() if not (k in FROM_FILES and v == "")}
 
 
 def inflight_budget(gpus: int) -> InFlight:
@@ -108,24 +100,22 @@ class Daemon:
         self.stop, self.reload_asked = threading.Event(), threading.Event()
         self.fill_began: dict[str, tuple[float, int]] = {}     # model -> (monotonic start, bytes done): the ETA
         self.limits, max_connections = fd_budget()
-        self.cache = Cache(gpu, device_id(cfg.daemon.device, gpu), cfg.daemon.on_release, self.limits,
-                           on_evict=lambda entry: fdstore.remove(entry.names),
-                           on_process=self.watch_process, on_stale=lambda name, why: self.keeper.stale(name, why),
-                           on_fill=lambda name: self.keeper.put("fill", name))
-        self.cache.configure(tuple(m.name for m in self.models), cfg.daemon.on_release,
-                             memory.keep_free(cfg.daemon, gpu), tuple(m.path for m in self.models))
-        self.sizes: dict[str, int] = {}     # model -> its bytes, as the worker estimated them (check_models)
+        self.keeper, self.told, counters = Keeper(self), Told(self), metrics.Metrics(gpu)
+        # systemd's StateDirectory=: engines' artifacts and the evictions survive restarts
         state = Path(os.environ["STATE_DIRECTORY"].split(":")[0]) if os.environ.get("STATE_DIRECTORY") else None
-        if state:           # systemd's StateDirectory=: evictions and engines' artifacts survive restarts
-            self.cache.history.keep(state / f"gpu{gpu}.evictions.json")
         self.artifacts = Artifacts(state / "artifacts" / f"gpu{gpu}" if state else None,
                                    configs.parse_bytes(cfg.daemon.artifacts), lambda: {m.name for m in self.models},
-                                   self.cache.metrics)
-        self.cache.kept_artifacts = self.artifacts.report
+                                   counters)
+        self.cache = Cache(gpu, device_id(cfg.daemon.device, gpu), cfg.daemon.on_release, self.limits, self.told,
+                           counters)
+        self.cache.configure(tuple(m.name for m in self.models), cfg.daemon.on_release,
+                             memory.keep_free(cfg.daemon, gpu), tuple(m.path for m in self.models))
+        if state:
+            self.cache.history.keep(state / f"gpu{gpu}.evictions.json")
+        self.sizes: dict[str, int] = {}     # model -> its bytes, as the worker estimated them (check_models)
         self.server = Server(self.cache, Policy.of(cfg.daemon), max_connections,
                              inflight_budget(len({g for m in cfg.models for g in m.gpus})), self.artifacts)
         self.watch = watch.Watch()
-        self.keeper = Keeper(self)
         self.epoll: select.epoll | None = None
         self.metrics_writer: threading.Thread | None = None
         self.started = time.monotonic()
@@ -143,61 +133,6 @@ class Daemon:
         return Workers(env, self.stop, starting)
 
     # -- start-up ------------------------------------------------------------------------------
-    def lock(self) -> int:
-        """Hold `gpu<N>.lock` for the life of the process; fail at once if another daemon holds it."""
-        path = lock_path(self.directory, self.gpu)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise FastStartError(f"GPU {self.gpu}'s daemon already runs (pid {holder}, lock {path})",
-                                 f"stop it first (systemctl stop fast-start@{self.gpu}), or serve another GPU") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.lock_device()
-        return fd
-
-    def lock_device(self) -> None:
-        """Hold a lock on the GPU's device node for the life of the process: a daemon for the same
-        GPU from another config (another socket_dir, so another gpu<N>.lock) fails at once. The
-        node is opened, never used: no CUDA context. Where there is none (the CPU device, a
-        container that names nodes otherwise), the socket directory's lock is the only one."""
-        if self.cfg.daemon.device != "cuda":
-            return
-        node = f"/dev/nvidia{self.gpu}"
-        try:
-            fd = os.open(node, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise FastStartError(f"GPU {self.gpu} is served by another fast-start daemon (it holds {node}), though "
-                                 f"not from {self.directory}", "stop that daemon first (another config's: its "
-                                 "socket_dir differs), or serve another GPU") from None
-        self.device_lock = fd
-
-    def resolve(self, cfg: configs.Config, workers: Workers) -> configs.Config:
-        """`cfg` with this GPU's `engine_version = "auto"` replaced by what each model's worker
-        environment has installed. Starts (and so version-checks) every worker it names."""
-        models = []
-        for m in cfg.models:
-            if self.gpu in m.gpus:
-                hello = workers.get(cfg.python(m)).hello
-                log.info("%s is filled by %s (environment %s: fast-start %s, %s)", m.name, hello.python, hello.prefix,
-                         hello.version, ", ".join(f"{k} {v}" for k, v in hello.engines.items()) or "no engine")
-                if m.engine_version == configs.AUTO:     # the config allows it for an engine's model only
-                    if m.filler.name not in hello.engines:
-                        raise ConfigError(f"{cfg.path}: [[model]] {m.name!r} has engine_version = \"auto\", but "
-                                          f"{hello.python} has no {m.filler.title} installed",
-                                          "set worker_python (or the model's python) to the engine's interpreter")
-                    m = replace(m, engine_version=hello.engines[m.filler.name])
-            models.append(m)
-        return replace(cfg, models=tuple(models))
-
     def apply(self, cfg: configs.Config) -> list[str]:
         """Serve by a reloaded (and resolved) `cfg`: models removed, whose fingerprint changed or
         whose files are not those of the fill are evicted, the rest kept (under the new config);
@@ -317,19 +252,13 @@ class Daemon:
             self.cache.metrics.set("fast_start_fill_seconds", msg.seconds, model=m.name)
 
     def room_for(self, m: configs.ModelConfig) -> None:
-        """NoRoom naming the shortfall where the device's free memory, less `keep_free`, cannot hold
-        `m`'s fill at its peak (`memory.fill_need`): a fill never takes memory an engine needs."""
-        nbytes, now = self.sizes.get(m.name), memory.of(self.cache.device)
-        if nbytes is None or now is None:
-            return
-        need, room = memory.fill_need(nbytes, self.cfg.daemon.device), now.free - self.cache.keep_free
-        self.cache.metrics.set("fast_start_fill_shortfall_bytes", max(0, need - room), model=m.name)
-        if need > room:
-            raise NoRoom(f"{m.name} needs {memory.gib(need)} of {memory.where(self.cfg.daemon.device, self.gpu)} to fill ({memory.gib(nbytes)} of weights); "
-                         f"{memory.gib(now.free)} is free and keep_free leaves {memory.gib(self.cache.keep_free)} of it "
-                         f"to engines: {memory.gib(need - room)} short",
-                         "free that much (stop an engine or evict a model), or lower keep_free; the daemon tries "
-                         "again meanwhile", need - room)
+        """NoRoom naming the shortfall where `m`'s fill does not fit beside `keep_free` now (a size
+        known from `check_models`; `memory.room_for`): a fill never takes memory an engine needs."""
+        if m.name in self.sizes:
+            lack = memory.room_for(m.name, self.sizes[m.name], self.cache.device, self.gpu, self.cache.keep_free)
+            self.cache.metrics.set("fast_start_fill_shortfall_bytes", lack.short if lack else 0, model=m.name)
+            if lack:
+                raise lack
 
     def report_progress(self, p: protocol.Progress, starting: bool) -> None:
         now = time.monotonic()
@@ -347,105 +276,18 @@ class Daemon:
         else:
             self.cache.set_pending(p.model, "filling", text)
 
-    def adopt(self, workers: Workers) -> set[str]:
-        """Re-adopt what systemd's fd store kept from a previous daemon process.
-
-        A stored shard is kept only if the config still asks for exactly it (same fingerprint,
-        computed from the config and the checkpoint's headers, no tensor data read), its
-        checkpoint files are those it was filled from, and its checksums still hold; anything
-        else is dropped and its model filled again. Nothing here fails the start.
-        """
-        stored, problems = fdstore.adopt()
-        for p in problems:
-            log.warning("dropped %s", p)
-        adopted = set()
-        for st in stored:
-            reason = self.adoptable(st)
-            if reason:
-                self.drop(st, *reason)
-                continue
-            notify.status(f"verifying {st.model}, kept by systemd's fd store")
-            model = self.model(st.model)
-            try:
-                bad = [msg for msg, _ in workers.get(self.cfg.python(model)).run(
-                    protocol.VerifyJob(st.model, st.manifest.to_dict(), {}), st.fds)][-1].bad
-            except FastStartError as e:
-                if self.stop.is_set():
-                    raise
-                self.drop(st, f"it could not be verified ({e.what})", "checksum")
-                continue
-            if bad:
-                self.drop(st, f"checksums differ ({len(bad)} tensors)", "checksum")
-                continue
-            entry = Entry(model, st.manifest, st.fds, 0.0, st.files, st.filled_at, st.names, adopted=True)
-            self.cache.add(entry)
-            adopted.add(st.model)
-            log.info("re-adopted %s rank %d (%s, %d tensors) from systemd's fd store", st.model,
-                     st.manifest.fingerprint.rank, configs.format_bytes(entry.nbytes), len(st.manifest.tensors))
-            self.cache.metrics.inc("fast_start_readoptions_total", model=st.model)
-        return adopted
-
-    def adoptable(self, st: fdstore.Stored) -> tuple[str, str] | None:
-        """Why a stored shard cannot be re-adopted (what, eviction reason), or None."""
-        model = self.model(st.model)
-        if model is None:
-            return f"GPU {self.gpu} no longer serves {st.model!r}", "config change"
-        if any(a.device != self.cache.device for a in st.manifest.arenas):
-            return "it lives on another device", "config change"
-        try:
-            fields = st.manifest.fingerprint.diff(fingerprint(model.spec(self.gpu)))
-        except FastStartError as e:
-            # Storage away (NFS down at boot): what the config decides must still match; engines
-            # are matched against the files of the fill, so nothing stale can be served.
-            fields = st.manifest.fingerprint.diff(st.manifest.fingerprint._replace(**config_fields(model, self.gpu)))
-            if not fields:
-                log.warning("cannot read %s's checkpoint now (%s); re-adopting what was filled from it", st.model,
-                            e.what)
-        if fields:
-            return f"the config changed its {', '.join(fields)}", "config change"
-        if not st.files:
-            return "no file identities were stored with it", "checkpoint changed"
-        changed = watch.differs(st.files, watch.identity(model.path), gone_is_change=False)
-        if changed:
-            return f"the checkpoint changed since the fill ({changed})", "checkpoint changed"
-        return None
-
-    def drop(self, st: fdstore.Stored, why: str, reason: str) -> None:
-        log.warning("dropping the stored arena of %s: %s", st.model, why, extra=fields(st.model))
-        for fd in st.fds:
-            os.close(fd)
-        fdstore.remove(st.names)
-        self.cache.record(st.model, reason, sum(a.size for a in st.manifest.arenas))
-
-    def bind(self) -> socket.socket:
-        path = socket_path(self.directory, self.gpu)
-        if path.is_symlink() or (path.exists() and not path.is_socket()):
-            raise trust.TrustError(f"{path} exists and is not a socket", "remove it")
-        path.unlink(missing_ok=True)     # a stale socket of a previous run; we hold the GPU's lock
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old = os.umask(0o177)            # no window in which the socket is more open than 0600
-        try:
-            sock.bind(str(path))
-        finally:
-            os.umask(old)
-        if self.cfg.daemon.shared:
-            os.chmod(path, 0o666)        # peers are admitted by their credentials (serve.py)
-        sock.listen(128)
-        sock.setblocking(False)
-        return sock
-
     def start(self) -> socket.socket:
         """Steps 2-5: workers, adopt, check, fill, bind. Returns the listening socket."""
         with self.workers(starting=True) as workers:
-            self.cfg = self.resolve(self.cfg, workers)
+            self.cfg = startup.resolve(self.cfg, self.gpu, workers)
             for m in self.models:
                 self.watch.add(m.name, m.path)
-            adopted = self.adopt(workers)
+            adopted = startup.adopt(self.cache, self.cfg, self.gpu, workers, self.stop)
             to_fill = self.check_models([m for m in self.models if m.name not in adopted], workers, starting=True)
             self.write_state("loading")
             notify.status(f"filling {len(to_fill)} model(s), {len(adopted)} kept by systemd's fd store")
             self.fill(to_fill, workers, starting=True)
-        return self.bind()
+        return startup.bind(self.directory, self.gpu, self.cfg.daemon.shared)
 
     # -- serving -------------------------------------------------------------------------------
     def prepare_serving(self, listener: socket.socket, wake: int) -> None:
@@ -469,7 +311,7 @@ class Daemon:
             for fd, _ in self.epoll.poll(timeout):
                 try:
                     if fd == listener.fileno():
-                        self.accept(listener)
+                        self.server.accept(listener)
                     elif fd == wake:
                         _drain(wake)
                         if self.reload_asked.is_set():
@@ -481,45 +323,6 @@ class Daemon:
                         self.cache.process_exited(fd)
                 except Exception:           # nothing an event does may stop the serving loop
                     log.exception("handling an event on fd %d failed", fd)
-
-    def write_metrics(self) -> None:
-        """Write the textfile for node_exporter (`metrics_file`, "{gpu}" = this GPU) every METRICS_S
-        until the daemon stops, on a thread of its own: a hung filesystem stalls this thread alone."""
-        failing = written = ""
-        while True:
-            path = self.cfg.daemon.metrics_file.replace("{gpu}", str(self.gpu))     # a reload may change it
-            if written and written != path:
-                _unlink(written)
-                written = ""
-            if path:
-                try:
-                    files.write_atomic(path, metrics.render(self.cache.metric_samples().samples))
-                    failing, written = "", path
-                except OSError as e:
-                    if failing != path:         # once, not every METRICS_S
-                        log.warning("cannot write the metrics file %s: %s (fix: %s)", path, e.strerror or e,
-                                    _metrics_fix(e, os.path.dirname(path)))
-                    failing = path
-            if self.stop.wait(METRICS_S):
-                if written:             # a stopped daemon exports nothing, not its last figures
-                    _unlink(written)
-                return
-
-    def accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as e:
-                if e.errno in (errno.EMFILE, errno.ENFILE):
-                    log.warning("cannot accept a connection: %s; raise LimitNOFILE= of the unit", e.strerror)
-                    time.sleep(0.1)         # the connection waits in the backlog meanwhile
-                return
-            try:
-                self.server.admit(conn)
-            except OSError:
-                conn.close()
 
     def watch_process(self, pidfd: int) -> None:
         if self.epoll is not None:
@@ -533,7 +336,7 @@ class Daemon:
             signal.signal(sig, lambda *_: self.stop.set())
         signal.signal(signal.SIGHUP, lambda *_: self.reload_asked.set())
         trust.prepare_socket_dir(self.directory, self.cfg.daemon.shared)
-        self.lock()
+        self.locks = startup.hold_locks(self.directory, self.gpu, self.cfg.daemon.device)
         listener = None
         try:
             try:
@@ -547,10 +350,12 @@ class Daemon:
                 raise
             self.write_state("ready")
             notify.notify(f"READY=1\nSTATUS={self.status_line()} in {time.monotonic() - self.started:.1f} s")
-            self.cache.on_change = lambda: notify.status(self.status_line())
+            self.told.ready = True      # STATUS= follows the cache from now on
             log.info("ready on %s", socket_path(self.directory, self.gpu))
             self.keeper.start()
-            self.metrics_writer = threading.Thread(target=self.write_metrics, name="metrics", daemon=True)
+            self.metrics_writer = threading.Thread(target=metrics.keep_textfile, name="metrics", daemon=True, args=(
+                lambda: self.cfg.daemon.metrics_file.replace("{gpu}", str(self.gpu)),
+                lambda: views.metric_samples(self.cache).samples, self.stop, METRICS_S))
             self.metrics_writer.start()
             self.serve(listener, wake_r)
             return 0
@@ -582,6 +387,32 @@ class Daemon:
                 step()
             except OSError as e:
                 log.warning("shutting down: %s", e)
+
+
+class Told(Events):
+    """The cache's events, as the daemon acts on them."""
+
+    def __init__(self, d: Daemon):
+        self.d, self.ready = d, False
+
+    def evicted(self, entry: Entry) -> None:
+        fdstore.remove(entry.names)
+
+    def process(self, pidfd: int) -> None:
+        self.d.watch_process(pidfd)
+
+    def stale(self, model: str, why: str) -> None:
+        self.d.keeper.stale(model, why)
+
+    def fill(self, model: str) -> None:
+        self.d.keeper.put("fill", model)
+
+    def changed(self) -> None:
+        if self.ready:
+            notify.status(self.d.status_line())
+
+    def kept(self, uid: int | None) -> list:
+        return self.d.artifacts.report(uid)
 
 
 def _changed(entry: Entry, m: configs.ModelConfig, gpu: int) -> str | None:
@@ -619,15 +450,6 @@ def filled_manifest(model: str, msg: protocol.Filled, fds: list[int]) -> Manifes
                         "use a fill worker of the daemon's version") from None
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        log.warning("cannot remove %s: %s", path, e.strerror or e)
-
-
 def _unlink_state(directory: str, gpu: int) -> None:
     path = state_path(directory, gpu)
     try:
@@ -652,6 +474,8 @@ def run(config_path: str, gpu: int) -> int:
     (`Daemon.broken`); any other error it names fails the start as `StartError`: restarting
     would fail the same way, so the unit ends failed (RestartPreventExitStatus=)."""
     cfg = configs.load(config_path, check_paths=False)
+    for note in cfg.deprecated:
+        log.warning("%s", note)
     if not cfg.models_on(gpu):
         log.warning("%s lists no model for GPU %d; serving an empty cache", config_path, gpu)
     log.info("fast-start %s daemon for GPU %d (%s)", __version__, gpu, sys.executable)
@@ -661,17 +485,3 @@ def run(config_path: str, gpu: int) -> int:
         raise
     except FastStartError as e:
         raise StartError(e.what, e.fix) from None
-
-
-def _metrics_fix(e: OSError, folder: str) -> str:
-    """What makes `folder` writable for the metrics file, by why the write failed."""
-    if e.errno == errno.EROFS:
-        return (f"the unit sees {folder} read-only (ProtectSystem=strict): add a drop-in with "
-                f"ReadWritePaths={folder} (systemctl edit fast-start@.service)")
-    if e.errno in (errno.EACCES, errno.EPERM):
-        group = grp.getgrgid(os.getegid()).gr_name
-        return (f"the daemon's user may not write {folder}: give its group the folder, e.g. "
-                f"chgrp {group} {folder} && chmod g+w {folder}")
-    if e.errno == errno.ENOENT:
-        return f"create {folder}, writable by the daemon's user"
-    return "check the folder and its file system"

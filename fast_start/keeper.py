@@ -19,7 +19,7 @@ import time
 from typing import Protocol
 
 from . import config as configs
-from . import notify, watch
+from . import notify, startup, watch
 from .journal import fields
 from .cache import Cache
 from .errors import FastStartError, NoRoom
@@ -38,7 +38,6 @@ class Host(Protocol):
     def models(self) -> tuple[configs.ModelConfig, ...]: ...
     def model(self, name: str) -> configs.ModelConfig | None: ...
     def workers(self, starting: bool = False) -> Workers: ...
-    def resolve(self, cfg: configs.Config, workers: Workers) -> configs.Config: ...
     def apply(self, cfg: configs.Config) -> list[str]: ...
     def room_for(self, m: configs.ModelConfig) -> None: ...
     def check_models(self, models, workers: Workers, starting: bool = False) -> list[configs.ModelConfig]: ...
@@ -215,6 +214,8 @@ class Keeper:
         notify.notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
         try:
             cfg = configs.load(d.cfg.path, check_paths=False)
+            for note in cfg.deprecated:
+                log.warning("reload: %s", note)
             held = {k: getattr(d.cfg.daemon, k) for k in RESTART_ONLY
                     if getattr(cfg.daemon, k) != getattr(d.cfg.daemon, k)}
             if held:        # the rest is applied; these keep their running values
@@ -223,7 +224,7 @@ class Keeper:
                             ", ".join(f"{k} = {v!r}" for k, v in held.items()))
                 cfg = dataclasses.replace(cfg, daemon=dataclasses.replace(cfg.daemon, **held))
             with d.workers() as workers:
-                cfg = d.resolve(cfg, workers)
+                cfg = startup.resolve(cfg, d.gpu, workers)
         except FastStartError as e:
             log.error("reload failed, keeping the running config: %s", e)
             d.cache.reloaded(began, str(e))

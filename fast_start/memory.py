@@ -12,6 +12,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+from .errors import NoRoom
+
 log = logging.getLogger("fast_start.daemon")
 
 GIB = 2**30
@@ -95,6 +97,22 @@ def fill_need(nbytes: int, device: str) -> int:
     """What filling a model of `nbytes` takes at its peak: the model and one arena chunk (vLLM's
     fill), the fill worker's CUDA context, processing's temporaries; 10 %, at least 2 GiB on a GPU."""
     return nbytes + max(nbytes // 10, 0 if device == "cpu" else 2 * GIB)
+
+
+def room_for(name: str, nbytes: int, device: str, gpu: int, keep_free: int) -> NoRoom | None:
+    """The shortfall (NoRoom, not raised) where `device`'s free memory, less `keep_free`, cannot
+    hold the fill of `name` (`nbytes` of weights) at its peak (`fill_need`); None where it can or
+    free memory cannot be told."""
+    now = of(device)
+    if now is None:
+        return None
+    need, room = fill_need(nbytes, device), now.free - keep_free
+    if need <= room:
+        return None
+    return NoRoom(f"{name} needs {gib(need)} of {where(device, gpu)} to fill ({gib(nbytes)} of weights); "
+                  f"{gib(now.free)} is free and keep_free leaves {gib(keep_free)} of it to engines: "
+                  f"{gib(need - room)} short", "free that much (stop an engine or evict a model), or lower "
+                  "keep_free; the daemon tries again meanwhile", need - room)
 
 
 def where(device: str, gpu: int) -> str:

@@ -7,7 +7,16 @@ node_exporter's textfile collector (`files.write_atomic`).
 """
 from __future__ import annotations
 
+import errno
+import grp
+import logging
+import os
 import threading
+from typing import Callable
+
+from . import files
+
+log = logging.getLogger("fast_start.daemon")
 
 # name -> (type, help, label names)
 FAMILIES = {
@@ -101,3 +110,53 @@ def render(samples: list[list]) -> str:
             lines.append(f"{name}{{{tags}}} {_number(value)}" if tags else f"{name} {_number(value)}")
     return "\n".join(lines) + "\n"
 
+
+
+def keep_textfile(path_of: Callable[[], str], samples: Callable[[], list[list]], stop: threading.Event,
+                  every_s: float) -> None:
+    """Write `samples()` for node_exporter to `path_of()` (re-read each time: a reload may change
+    it; "" = none) every `every_s` until `stop`, then remove it: a stopped daemon exports nothing,
+    not its last figures. Run on a thread of its own, so that a hung filesystem stalls it alone;
+    a failing write is logged once per path, with the fix for its cause."""
+    failing = written = ""
+    while True:
+        path = path_of()
+        if written and written != path:
+            _unlink(written)
+            written = ""
+        if path:
+            try:
+                files.write_atomic(path, render(samples()))
+                failing, written = "", path
+            except OSError as e:
+                if failing != path:
+                    log.warning("cannot write the metrics file %s: %s (fix: %s)", path, e.strerror or e,
+                                textfile_fix(e, os.path.dirname(path)))
+                failing = path
+        if stop.wait(every_s):
+            if written:
+                _unlink(written)
+            return
+
+
+def textfile_fix(e: OSError, folder: str) -> str:
+    """What makes `folder` writable for the metrics file, by why the write failed."""
+    if e.errno == errno.EROFS:
+        return (f"the unit sees {folder} read-only (ProtectSystem=strict): add a drop-in with "
+                f"ReadWritePaths={folder} (systemctl edit fast-start@.service)")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        group = grp.getgrgid(os.getegid()).gr_name
+        return (f"the daemon's user may not write {folder}: give its group the folder, e.g. "
+                f"chgrp {group} {folder} && chmod g+w {folder}")
+    if e.errno == errno.ENOENT:
+        return f"create {folder}, writable by the daemon's user"
+    return "check the folder and its file system"
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("cannot remove %s: %s", path, e.strerror or e)

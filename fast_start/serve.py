@@ -25,6 +25,7 @@ next, and one always waits. No client can lock others out:
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -34,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import artifact_store as artifacts, protocol, transport, trust
+from . import artifact_store as artifacts, protocol, reports, transport, trust, views
 from .cache import Cache
 from .config import DaemonConfig
 from .inflight import InFlight
@@ -88,6 +89,23 @@ class Server:
         threading.Thread(target=self.serve_connections, name=THREAD_NAME, daemon=True).start()
         with self.lock:
             self.waiting += 1
+
+    def accept(self, listener: socket.socket) -> None:
+        """Admit every connection waiting on `listener` (the daemon's loop saw it readable)."""
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE):
+                    log.warning("cannot accept a connection: %s; raise LimitNOFILE= of the unit", e.strerror)
+                    time.sleep(0.1)         # the connection waits in the backlog meanwhile
+                return
+            try:
+                self.admit(conn)
+            except OSError:
+                conn.close()
 
     def admit(self, conn: socket.socket) -> None:
         """A freshly accepted connection: refuse it with a reason, or serve it in a thread."""
@@ -246,6 +264,9 @@ class Server:
         try:
             if msg.kind in protocol.ARTIFACTS:
                 reply, fds, done = self.artifacts.handle(msg, peer, upload)
+            elif msg.kind in views.KINDS:
+                reply, fds, done = protocol.Report(reports.body(views.report(self.cache, msg.kind, peer))), [], \
+                    lambda sent: None
             else:
                 reply, fds, done = self.cache.handle(msg, peer)
         except artifacts.Cut:

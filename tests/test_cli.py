@@ -441,12 +441,12 @@ def test_a_metrics_file_that_cannot_be_written_gets_the_fix_for_its_cause():
     import errno
     import grp
 
-    from fast_start.daemon import _metrics_fix
+    from fast_start.metrics import textfile_fix
     folder = "/var/lib/prometheus/node-exporter"
-    assert "ReadWritePaths=" + folder in _metrics_fix(OSError(errno.EROFS, "Read-only file system"), folder)
+    assert "ReadWritePaths=" + folder in textfile_fix(OSError(errno.EROFS, "Read-only file system"), folder)
     group = grp.getgrgid(os.getegid()).gr_name
-    assert f"chgrp {group} {folder} && chmod g+w {folder}" in _metrics_fix(OSError(errno.EACCES, "denied"), folder)
-    assert _metrics_fix(OSError(errno.ENOENT, "No such file"), folder).startswith(f"create {folder}")
+    assert f"chgrp {group} {folder} && chmod g+w {folder}" in textfile_fix(OSError(errno.EACCES, "denied"), folder)
+    assert textfile_fix(OSError(errno.ENOENT, "No such file"), folder).startswith(f"create {folder}")
 
 
 FAKE_PYTHON = """#!/bin/sh

@@ -509,7 +509,7 @@ def test_config_fields_name_only_fingerprint_fields_and_leave_vllms_quantization
     vLLM model with quantization "none" that excludes the quantization (vLLM reads it from
     config.json), and includes the pipeline size and the engine options."""
     from fast_start.config import ModelConfig
-    from fast_start.daemon import config_fields
+    from fast_start.startup import config_fields
     from fast_start.fingerprint import Fingerprint
     hf = config_fields(ModelConfig("m", "/models/m", (0,), quantization="fp8"), 0)
     vllm = config_fields(ModelConfig("m", "/models/m", (0, 1), pipeline_parallel_size=2, layout="vllm"), 1)

@@ -19,7 +19,8 @@ from scramble import scramble, swap_names_unseen
 
 import fast_start
 from fast_start import protocol, watch
-from fast_start.cache import Cache, Entry
+from fast_start.cache import Cache, Events
+from fast_start.entry import Entry
 from fast_start.config import ModelConfig
 from fast_start.errors import CacheMiss
 from devtools.harness import write_config
@@ -130,7 +131,10 @@ def test_acquire_compares_the_files_and_marks_the_model_stale(tmp_path, small):
     """The check at acquire, which catches what inotify cannot see (a change on another NFS client)."""
     manifest, fds = materialize(spec(small), "cpu")
     stale = []
-    cache = Cache(0, "cpu", "keep", on_stale=lambda name, why: stale.append((name, why)))
+    class Told(Events):
+        def stale(self, model, why):
+            stale.append((model, why))
+    cache = Cache(0, "cpu", "keep", events=Told())
     cfg = ModelConfig("small", str(small), (0,), engine_version="test")
     cache.add(Entry(cfg, manifest, fds, 0.0, watch.identity(small)))
     peer = Peer(os.getpid(), os.getuid(), os.getgid(), admin=True)
