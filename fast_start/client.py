@@ -30,7 +30,7 @@ import socket
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -41,11 +41,11 @@ from .fingerprint import Fingerprint, WeightSpec, fingerprint, requested
 from .transport import connect, request, socket_dir as _socket_dir, sockets as _sockets
 
 if TYPE_CHECKING:
-    from .manifest import Manifest
+    from .manifest import Manifest      # not imported on the engine's path (its import costs)
+
 
 log = logging.getLogger("fast_start")
 
-MODES = protocol.MODES
 FRESH_S = 1.0       # a connection older than this when its request is ready is made anew (daemons cut idle ones)
 
 
@@ -79,14 +79,24 @@ class Weights(Mapping):
 
 def fetch(spec: WeightSpec, device: str | torch.device = "cpu", mode: str = "zero_copy",
           fallback: bool = True, socket_dir: str | None = None, connect_timeout: float = 5.0) -> Weights:
-    """This rank's weights on `device`: from a daemon's cache where one holds them, else from disk.
+    """This rank's weights on `device` (`mode`: a `protocol.Mode`): from a daemon's cache where one
+    holds them, else from disk.
 
     The daemon is looked for in `socket_dir`, else `$FAST_START_SOCKET_DIR`, else /run/fast-start.
-    A miss (no daemon, an untrusted one, a differing fingerprint, any error) loads from disk
-    with one log line naming the reason; with `fallback=False` it raises `CacheMiss` instead.
+    A miss loads from disk with one log line naming the reason; with `fallback=False` it raises
+    `CacheMiss` instead. The misses, in the order they can happen: no daemon socket; a daemon
+    that cannot be reached or is not trusted (`transport.connect`); one of another device (passed
+    over: a miss only where no daemon serves this one); the daemon's own miss, which names the
+    fingerprint fields that differ, files not those of the fill, a checkpoint this user cannot
+    read, no room for a copy, a model evicted or not yet filled (`misses.py`); a checkpoint file
+    replaced while this engine read it (`_Headers`); a reply of another fingerprint than the one
+    read, or malformed, or with fds missing (`_use`). The closest miss (fewest differing fields)
+    is the one named. A checkpoint that cannot be read raises `CheckpointError` either way.
     """
-    if mode not in MODES:
-        raise FastStartError(f"fetch mode {mode!r} is unknown", f"use one of {', '.join(MODES)}")
+    try:
+        mode = protocol.Mode.of(mode, "fetch mode")
+    except ValueError as e:
+        raise FastStartError(str(e), "pass fetch(..., mode=...) one of them") from None
     device = torch.device(device)
     # The first daemon is connected to before the checkpoint is read: it admits the connection
     # and readies a thread for it while this process takes the files' identities.
@@ -226,7 +236,7 @@ def _ask(conn: socket.socket, ask: protocol.Acquire, headers: _Headers, device: 
     try:
         want = headers.fingerprint()
         again = isinstance(reply, protocol.Miss) and reply.fields == ["partial"]
-        if isinstance(reply, protocol.Acquired) and ask.partial and reply.manifest.get("fingerprint") != want.to_dict():
+        if isinstance(reply, protocol.Acquired) and ask.partial and not _holds(reply, want):
             _close_all(batches)
             _give_back(conn, reply)
             again, reply, batches = True, None, iter(())     # nothing held any more, should the re-ask fail
@@ -242,7 +252,7 @@ def _ask(conn: socket.socket, ask: protocol.Acquire, headers: _Headers, device: 
     if not isinstance(reply, protocol.Acquired):
         _close_all(batches)
         return reply
-    handed = ask.mode == "copy" and reply.manifest.get("fingerprint") == want.to_dict()
+    handed = ask.mode == "copy" and _holds(reply, want)
     if handed:
         batches = _handed_over(conn, reply, batches)
     try:
@@ -310,35 +320,54 @@ def _use(reply: protocol.Acquired, batches: Iterator[list[int]], want: Fingerpri
     """Weights from an Acquired reply: the arenas mapped a batch of fds at a time (each fd closed
     once its arena is mapped, before the next batch is read), the table's views."""
     try:
-        head = reply.manifest
-        try:
-            if head["fingerprint"] != want.to_dict():
-                raise CacheMiss("the daemon answered with a different fingerprint", "report this as a bug",
-                                Fingerprint.from_dict(head["fingerprint"]).diff(want))
-            where = [(int(a["size"]), str(a["device"])) for a in head["arenas"]]
-            aliases, engine = dict(head["aliases"]), dict(head.get("engine", {}))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ArenaError(f"the daemon's manifest is malformed ({e!r})",
-                             "use a fast-start client of the daemon's version") from None
+        head = _Head.of(reply.manifest)
+        if not _holds(reply, want):
+            raise CacheMiss("the daemon answered with a different fingerprint", "report this as a bug",
+                            head.fingerprint.diff(want))
         maps: list[torch.Tensor] = []
         for batch in batches:
             try:
-                maps += arenas.map_arenas(batch, where[len(maps):len(maps) + len(batch)], mode, device, close=True)
+                maps += arenas.map_arenas(batch, head.arenas[len(maps):len(maps) + len(batch)], mode, device,
+                                          close=True)
             finally:
                 _close(batch)       # the fds an error left open (map_arenas marks those it closed -1)
-        if len(maps) != len(where):
-            raise ArenaError(f"got {len(maps)} arena fds for {len(where)} arenas",
+        if len(maps) != len(head.arenas):
+            raise ArenaError(f"got {len(maps)} arena fds for {len(head.arenas)} arenas",
                              "ask the daemon again; the reply was incomplete")
     finally:
         _close_all(batches)         # the batches an error left unread
     tensors = arenas.from_table(reply.attachment, maps)
-    bad = [a for a, t in aliases.items() if not isinstance(t, str) or t not in tensors or a in tensors]
+    bad = [a for a, t in head.aliases.items() if not isinstance(t, str) or t not in tensors or a in tensors]
     if bad:
         raise ArenaError(f"the daemon's manifest has invalid aliases {bad[:5]}", "evict and refill the model")
-    weights = Weights(tensors, aliases, "cache", want)
-    weights.engine, weights.model = engine, reply.model
+    weights = Weights(tensors, head.aliases, "cache", want)
+    weights.engine, weights.model = head.engine, reply.model
     weights.lease = reply.lease if mode == "zero_copy" else None   # a copy's lease ended at its hand-over
     return weights
+
+
+class _Head(NamedTuple):
+    """A manifest less its tensors: what a daemon sends beside the tensor table (`table.py`)."""
+    fingerprint: Fingerprint
+    arenas: list[tuple[int, str]]       # (size, device) of each
+    aliases: dict[str, str]
+    engine: dict                        # the engine's record of its fill ({} for fast-start's own)
+
+    @classmethod
+    def of(cls, d) -> "_Head":
+        """The head a reply's JSON object holds; ArenaError naming what is malformed."""
+        try:
+            arenas = [(int(a["size"]), str(a["device"])) for a in d["arenas"]]
+            return cls(Fingerprint.from_dict(d["fingerprint"]), arenas, dict(d["aliases"]), dict(d.get("engine", {})))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ArenaError(f"the daemon's manifest is malformed ({e!r})",
+                             "use a fast-start client of the daemon's version") from None
+
+
+def _holds(reply: protocol.Acquired, want: Fingerprint) -> bool:
+    """Whether a daemon's reply holds the very fingerprint the engine read (a partial request can
+    match a model of the same files read otherwise: another quantization)."""
+    return isinstance(reply.manifest, dict) and reply.manifest.get("fingerprint") == want.to_dict()
 
 
 def _device_id(device: torch.device) -> str:

@@ -20,6 +20,7 @@ descriptors sent *to* it are discarded by the kernel and never occupy one of its
 from __future__ import annotations
 
 import array
+import enum
 import json
 import os
 import socket
@@ -143,7 +144,25 @@ class Role(Message):              # an engine's worker: what its engine does now
 
 
 ROLES = ("serving", "standby", "waking")
-MODES = ("zero_copy", "copy")   # how an engine takes the cache's tensors: maps them, or clones them
+
+
+class Mode(str, enum.Enum):
+    """How an engine takes the cache's tensors: maps them (the daemon's memory, shared), or clones
+    them (its own)."""
+    ZERO_COPY = "zero_copy"
+    COPY = "copy"
+    __str__, __format__ = str.__str__, str.__format__
+
+    @classmethod
+    def of(cls, value, what: str = "mode") -> "Mode":
+        """`value` as a Mode; ValueError naming `what` and the modes there are."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{what} {value!r} is unknown; use one of {', '.join(MODES)}") from None
+
+
+MODES = tuple(m.value for m in Mode)
 
 
 class Evict(Message):

@@ -66,9 +66,10 @@ from . import attention as vllm_attention, compat, kept, roles, rules as vllm_ru
 from . import ENGINE
 from .install import prepare
 from .record import FillRecord
-from ...client import MODES, cached, fetch, release
+from ...client import cached, fetch, release
 from ...errors import CacheMiss, FastStartError, QuantizationError
 from ...fingerprint import WeightSpec
+from ...protocol import Mode
 from ...dtypes import MODEL, torch_dtype
 
 # Under "vllm" so that vLLM's log handler prints our lines with its own.
@@ -333,7 +334,7 @@ OPTION_TYPES = {"mode": ((str,), "a string"), "fallback": ((bool,), "true or fal
 
 @dataclass(frozen=True)
 class Options:
-    mode: str = "zero_copy"
+    mode: Mode = Mode.ZERO_COPY
     fallback: bool = True
     socket_dir: str | None = None
     connect_timeout_s: float = 5.0
@@ -351,10 +352,7 @@ class Options:
             types, kind = OPTION_TYPES[key]
             if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
                 raise ValueError(f"--model-loader-extra-config key {key!r} is {value!r}; it must be {kind}")
-        options = cls(**extra)
-        if options.mode not in MODES:
-            raise ValueError(f"--model-loader-extra-config mode {options.mode!r} is unknown; "
-                             f"use one of {', '.join(MODES)}")
+        options = cls(**{**extra, "mode": Mode.of(extra.get("mode", cls.mode), "--model-loader-extra-config mode")})
         if options.connect_timeout_s <= 0:
             raise ValueError("--model-loader-extra-config connect_timeout_s must be above 0")
         return options
