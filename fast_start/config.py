@@ -30,21 +30,37 @@ MIN_CHUNK, MAX_CHUNK = 64 << 10, 2 << 30
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    worker_python: str = ""                 # the fill worker's interpreter; "" = the daemon's own
+    """The `[daemon]` table: one for every GPU's daemon of the host."""
+    worker_python: str = ""
+    """The fill worker's interpreter (the engine's, for a model an engine fills); "" = the daemon's own."""
     socket_dir: str = DEFAULT_SOCKET_DIR
+    """Where each GPU's socket (`gpu<N>.sock`), lock and state file are."""
     device: str = "cuda"
+    """Where the cache lives: "cuda" (GPU memory) or "cpu" (host memory, memfd arenas)."""
     on_release: str = "keep"
+    """What a copy-mode engine's hand-over does: "keep" the model cached, or "drop" it."""
     memory_budget: str = "95%"
-    allowed_uids: tuple[int, ...] = ()      # engines besides the daemon's own uid and root
-    allowed_groups: tuple[str, ...] = ()    # members may connect as engines
-    admin_groups: tuple[str, ...] = ()      # members may also evict (as root and the daemon's user may)
-    fill_bandwidth: str = "0"               # bytes/s the fill may read; "0" = unlimited
-    arena_chunk: str = "512MiB"             # an arena's most bytes: what a copy-mode engine holds twice
-    keep_free: str = "1GiB"                 # device memory fills (and copies beside a kept cache) leave free
-    refill_on_change: bool = True           # refill a model whose checkpoint changed under it
-    metrics_file: str = ""                  # a Prometheus textfile per GPU ("{gpu}" in the path); "" = none
-    request_timeout_s: int = 10             # an idle connection waits this long for a request; a frame takes at most this
-    artifacts: str = "8GiB"                 # what an engine user may keep of its engine's artifacts per GPU; "0" = none
+    """The most of the device the GPU's models may take (bytes, or a share of the device)."""
+    allowed_uids: tuple[int, ...] = ()
+    """Engines' users besides the daemon's own uid and root."""
+    allowed_groups: tuple[str, ...] = ()
+    """Groups whose members may connect as engines."""
+    admin_groups: tuple[str, ...] = ()
+    """Groups whose members may also evict and fill (as root and the daemon's user may)."""
+    fill_bandwidth: str = "0"
+    """Bytes per second a fill may read; "0" = unlimited."""
+    arena_chunk: str = "512MiB"
+    """An arena's most bytes: what a copy-mode engine holds twice."""
+    keep_free: str = "1GiB"
+    """Device memory that fills (and copies beside a kept cache) leave free for engines."""
+    refill_on_change: bool = True
+    """Refill a model whose checkpoint changed under it (else it waits for a restart)."""
+    metrics_file: str = ""
+    """A Prometheus textfile per GPU ("{gpu}" in the path); "" = none."""
+    request_timeout_s: int = 10
+    """How long an idle connection waits for a request, and the most a frame may take."""
+    artifacts: str = "8GiB"
+    """What one engine user may keep of its engine's artifacts per GPU; "0" = none."""
 
     @property
     def shared(self) -> bool:
@@ -58,26 +74,45 @@ class DaemonConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A `[[model]]` table: a checkpoint, the GPUs that serve it, and how each GPU's rank is made."""
     name: str
+    """How the daemons, `status` and the engines' log lines name it."""
     path: str
+    """The checkpoint's folder (*.safetensors, config.json), absolute."""
     gpus: tuple[int, ...]
+    """The GPUs that serve it; GPU i serves slot gpus.index(i) + rank_offset of its replica."""
     tensor_parallel_size: int = 1
+    """The engines' TP size."""
     rank_offset: int = 0
+    """The first GPU's slot (multi-node TP: node k of n GPUs each sets k × n)."""
     dtype: str = "bfloat16"
+    """The engines' dtype."""
     quantization: str = "none"
-    engine: str = ""                        # the engine that fills it itself (vLLM); "": fast-start's tables
-    layout: str = "hf"                      # its cached tensors': "hf" (the checkpoint's), or its engine's
+    """An engine's quantization name ("none": what the checkpoint says), or fast-start's own methods."""
+    engine: str = ""
+    """The engine that fills it itself ("vllm"); "": fast-start's own tables."""
+    layout: str = "hf"
+    """Its cached tensors' layout: "hf" (the checkpoint's), or its engine's (older configs named the engine here)."""
     revision: str = "main"
-    engine_version: str = ""                # "auto": the engine's version in the worker's environment
-    python: str = ""                        # this model's worker interpreter; "" = worker_python
-    pipeline_parallel_size: int = 1         # ranks are global: pp_rank * tensor_parallel_size + tp_rank
-    data_parallel_size: int = 1             # an engine's data parallel size
-    enable_expert_parallel: bool = False    # an engine's expert parallelism
-    expert_placement_strategy: str = "linear"   # ... and its placement of experts
-    replicas: int = 1                       # independent engines of the model, each on its share of `gpus`
-    # The engine's own settings: its [model.<engine>] table, typed by the engine (`Engine.settings`);
-    # the engine's defaults where the table is left out; None for a model no engine fills.
+    """The checkpoint's revision, as the engines name it."""
+    engine_version: str = ""
+    """The engines' version; "auto": the version installed where the model's worker runs."""
+    python: str = ""
+    """This model's worker interpreter; "" = `worker_python`."""
+    pipeline_parallel_size: int = 1
+    """The engines' PP size; ranks are global: pp_rank × tensor_parallel_size + tp_rank."""
+    data_parallel_size: int = 1
+    """An engine's data-parallel size (its MoE layers shard over every DP rank's TP ranks)."""
+    enable_expert_parallel: bool = False
+    """An engine's expert parallelism."""
+    expert_placement_strategy: str = "linear"
+    """... and its placement of experts ("linear", "round_robin")."""
+    replicas: int = 1
+    """Independent engines of the model on the host, each on its share of `gpus`."""
     settings: object = field(default=None, metadata={"table": True})
+    """The engine's own settings: its [model.<engine>] table, typed by the engine
+    (`Engine.settings`); the engine's defaults where the table is left out; None for a model no
+    engine fills."""
 
     def __post_init__(self):
         # An engine's model is cached in the engine's layout, which the fingerprint's `layout`

@@ -32,18 +32,31 @@ def layouts() -> tuple[str, ...]:
 class WeightSpec(NamedTuple):
     """Which weights an engine wants: the checkpoint and how to derive this rank's tensors."""
     path: str
+    """The checkpoint's folder."""
     tensor_parallel_size: int = 1
+    """The engine's TP size."""
     rank: int = 0
+    """This rank: the global rank, pp_rank × tensor_parallel_size + tp_rank."""
     dtype: str = "bfloat16"
+    """The engine's dtype."""
     quantization: str = "none"
+    """The engine's quantization ("none": the checkpoint's own, or none)."""
     layout: str = "hf"
+    """The cached tensors' layout: "hf" (the checkpoint's names), or the engine's that fills them."""
     revision: str = "main"
+    """The checkpoint's revision."""
     engine_version: str = ""
-    pipeline_parallel_size: int = 1     # `rank` is the global rank: pp_rank * tensor_parallel_size + tp_rank
-    engine_options: str = ""            # an engine's: what else steers its bytes (`Engine.options`)
-    data_parallel_size: int = 1         # an engine's: MoE layers shard across every DP rank's TP ranks
+    """The engine's version (its bytes may change with it)."""
+    pipeline_parallel_size: int = 1
+    """The engine's PP size."""
+    engine_options: str = ""
+    """An engine's: what else steers its bytes (`Engine.options`)."""
+    data_parallel_size: int = 1
+    """An engine's DP size: its MoE layers shard across every DP rank's TP ranks."""
     data_parallel_rank: int = 0
-    expert_parallel: str = ""           # an engine's expert placement (`Engine.expert_parallel`); "" = none
+    """This engine's DP rank."""
+    expert_parallel: str = ""
+    """An engine's expert placement (`Engine.expert_parallel`); "" = none."""
 
 
 class Fingerprint(NamedTuple):
