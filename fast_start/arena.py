@@ -89,6 +89,44 @@ def create(size: int, device: str, name: str):
     raise ArenaError(f"arena device {device!r} is unknown", 'use "cpu" or "cuda:N"')
 
 
+class Written:
+    """The arenas one rank is written into (`materialize`, an engine's export), as a context: each
+    made in turn (`open`), written at offsets with the bytes done told to `progress(done, total)`,
+    sealed in order (`seal`: `fds`); on an error every arena made, sealed or not, is discarded."""
+
+    def __init__(self, label: str, device: str, total: int, progress=None):
+        self.label, self.device, self.total, self.progress = label, device, total, progress
+        self.made: list = []            # every writer, in order
+        self.fds: list[int] = []        # the first len(fds) sealed
+        self.done = 0
+
+    def __enter__(self) -> "Written":
+        return self
+
+    def __exit__(self, kind, value, trace) -> None:
+        if kind is not None:
+            for fd in self.fds:
+                os.close(fd)
+            for w in self.made[len(self.fds):]:
+                w.abort()
+
+    def open(self, size: int):
+        """A new arena of `size` bytes (its writer: `typed`, `view` where the device has them)."""
+        self.made.append(create(size, self.device, f"{self.label}-{len(self.made)}"))
+        return self.made[-1]
+
+    def write(self, arena: int, offset: int, tensor: torch.Tensor) -> None:
+        self.made[arena].write(offset, tensor)
+        self.done += tensor.nbytes
+        if self.progress:
+            self.progress(self.done, self.total)
+
+    def seal(self) -> None:
+        """Seal every arena made and not sealed yet, in order."""
+        for w in self.made[len(self.fds):]:
+            self.fds.append(w.finish())
+
+
 def map_readonly(fd: int, size: int, arena_device: str, device: torch.device) -> torch.Tensor:
     """Map an arena fd read-only as a flat uint8 tensor on `device`; the fd may be closed afterwards.
 

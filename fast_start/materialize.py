@@ -163,33 +163,26 @@ def materialize(spec: WeightSpec, device: str = "cpu", chunk: int | None = None,
     """Fill arenas with this rank's tensors: returns the manifest and the sealed arena fds."""
     ckpt = ckpt or open_checkpoint(spec.path)
     entries, sizes = pack(plan(ckpt, spec), chunk)
-    by_name = {e.name: e for e in entries}
-    writers = [arenas.create(size, device, f"{ckpt.folder.name}-r{spec.rank}-{i}") for i, size in enumerate(sizes)]
-    done, total, final = 0, sum(e.nbytes for e in entries), []
+    by_name, final = {e.name: e for e in entries}, []
+    with arenas.Written(f"{ckpt.folder.name}-r{spec.rank}", device, sum(e.nbytes for e in entries), progress) as out:
+        writers = [out.open(size) for size in sizes]
 
-    def place(name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
-        """A tensor yielded as staged (its entry has its name, shape and dtype) is staged in its
-        arena: on a GPU the fill then holds no copy of it beside the arenas."""
-        e = by_name.get(name)
-        if e is None or e.shape != tuple(shape) or e.dtype != dtypes.name_of(dtype):
-            return None
-        return writers[e.arena].typed(e.offset, dtype, e.shape)
+        def place(name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+            """A tensor yielded as staged (its entry has its name, shape and dtype) is staged in its
+            arena: on a GPU the fill then holds no copy of it beside the arenas."""
+            e = by_name.get(name)
+            if e is None or e.shape != tuple(shape) or e.dtype != dtypes.name_of(dtype):
+                return None
+            return writers[e.arena].typed(e.offset, dtype, e.shape)
 
-    try:
         with tensor_reader(ckpt) as read:
             for name, t in derive(ckpt, spec, read, device, place):     # compute where the arena is
                 e = by_name[name]
-                writers[e.arena].write(e.offset, t)
+                out.write(e.arena, e.offset, t)
                 final.append(replace(e, checksum=checksum(t)))
-                done += e.nbytes
                 del t
-                if progress:
-                    progress(done, total)
-        fds = [w.finish() for w in writers]
-    except BaseException:
-        for w in writers:
-            w.abort()
-        raise
+        out.seal()
+    fds = out.fds
     manifest = Manifest(fingerprint(spec, ckpt), tuple(ArenaEntry(w.size, w.device) for w in writers),
                         tuple(final), aliases(ckpt, spec))
     manifest.validate()

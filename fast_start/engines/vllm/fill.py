@@ -351,39 +351,23 @@ class _Plan:
 
 def _write(plan: _Plan, label: str, device: str, progress, hold: str, then) -> tuple[list[ArenaEntry], list[int]]:
     """`plan`'s chunks written into arenas, chunk by chunk (`export`): their entries and sealed fds."""
-    total, done, made = sum(plan.sizes), 0, []
-    writers, fds = [], []               # writers still open; fds of arenas sealed
-    try:
+    with arenas.Written(label, device, sum(plan.sizes), progress) as out:
         for i, (group, size) in enumerate(zip(plan.chunks, plan.sizes)):
-            writer = arenas.create(size, device, f"{label}-{i}")
-            writers.append(writer)
-            made.append(ArenaEntry(writer.size, writer.device))
+            writer = out.open(size)
             for base, s in group:
                 if s.nbytes():
-                    writer.write(base, torch.empty(0, dtype=torch.uint8, device=s.device).set_(s))
-                    done += s.nbytes()
-                if progress:
-                    progress(done, total)
+                    out.write(i, base, torch.empty(0, dtype=torch.uint8, device=s.device).set_(s))
             if hold == "repoint":
                 for t, e in plan.members[i]:
                     t.data = _view(writer.view, e, t)
             if hold != "keep":
                 _give_back(group, plan.shared, device)
             if not hold:
-                fds.append(writer.finish())
-                writers.pop()
+                out.seal()
         if then is not None:
             then(plan.entries)
-        while writers:
-            fds.append(writers[0].finish())
-            writers.pop(0)
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        for w in writers:
-            w.abort()
-        raise
-    return made, fds
+        out.seal()
+    return [ArenaEntry(w.size, w.device) for w in out.made], out.fds
 
 
 def _give_back(group: list[tuple[int, torch.UntypedStorage]], shared: set[int], device: str) -> None:
