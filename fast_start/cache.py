@@ -73,8 +73,7 @@ class Cache:
         self.pending: dict[str, reports.Missing] = {}   # configured but not cached
         self.former: dict[str, tuple[Fingerprint, str]] = {}   # a pending model's evicted fingerprint, why
         self.history = History()
-        self.reloads, self.reload_error = 0, ""       # SIGHUPs handled; why the last one was refused
-        self.reload_began = 0.0                         # when the last one began to read the config
+        self.reloads, self.reload_error, self.reload_began = 0, "", 0.0   # SIGHUPs done; the last's error, start
         self.lock = threading.Lock()
         self.metrics = metrics or Metrics(gpu)
 
@@ -89,6 +88,11 @@ class Cache:
         if old is not None:
             self._retire(old)
         self.events.changed()
+
+    def cached(self) -> dict[str, Entry]:
+        """What is cached now, by model name (a copy, taken under the lock)."""
+        with self.lock:
+            return dict(self.entries)
 
     def reconfigure(self, name: str, model: ModelConfig) -> None:
         """A cached model kept by a reload serves under its new config (a renamed path shows)."""

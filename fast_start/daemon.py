@@ -139,7 +139,7 @@ class Daemon:
         returns the configured models not cached (to be filled)."""
         new = {m.name: m for m in cfg.models_on(self.gpu)}
         changed = {}
-        for name, entry in list(self.cache.entries.items()):
+        for name, entry in self.cache.cached().items():
             m = new.get(name)
             try:
                 why = _changed(entry, m, self.gpu) if m else "is no longer served"
@@ -164,7 +164,7 @@ class Daemon:
             log.info("reload: %s %s", name, why)
         for name, m in new.items():
             self.watch.add(name, m.path)
-        return [name for name in new if name not in self.cache.entries]
+        return [name for name in new if name not in self.cache.cached()]
 
     def check_models(self, models, workers: Workers, starting: bool = False) -> list[configs.ModelConfig]:
         """Every model's headers against its spec (in a worker), the total against the memory

@@ -108,7 +108,7 @@ class Keeper:
                     del self.retry[name]
                     self.refill(name)
                 if time.monotonic() >= next_sweep:
-                    for name in list(self.d.cache.entries):
+                    for name in self.d.cache.cached():
                         self.check(name)
                     next_sweep = time.monotonic() + RECHECK_S
             except Exception:
@@ -128,7 +128,7 @@ class Keeper:
         """Compare `name`'s files with its fill's (or take the watch's word that one was
         `written`: no file is looked at then); a stale or failed model is looked at again. Safe on
         any thread."""
-        entry = self.d.cache.entries.get(name)
+        entry = self.d.cache.cached().get(name)
         if entry is not None:
             changed = written or watch.differs(entry.files, watch.identity(entry.model.path), gone_is_change=False)
             if changed:
@@ -141,7 +141,7 @@ class Keeper:
         """Fill `name` in the background: a stale or failed model once its checkpoint has settled,
         any other (asked for, new in the config, waiting for room) at once."""
         model = self.d.model(name)
-        if model is None or name in self.d.cache.entries or self.d.stop.is_set() or not self.settled(name, model):
+        if model is None or name in self.d.cache.cached() or self.d.stop.is_set() or not self.settled(name, model):
             return
         try:
             self.d.room_for(model)      # a size known from before: no worker starts while there is no room
