@@ -17,17 +17,51 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ..headers import ModelDims
 from .vllm import ENGINE as _VLLM
+
+if TYPE_CHECKING:
+    import torch
 
 
 # [[model]] keys that only an engine fills (fast-start's own tables shard by TP alone), each with
 # the value that means "off".
 ENGINE_KEYS = {"pipeline_parallel_size": 1, "data_parallel_size": 1, "enable_expert_parallel": False,
                "expert_placement_strategy": "linear"}
+
+
+class Model(Protocol):
+    """What an engine reads of a [[model]] (`config.ModelConfig` is one)."""
+    name: str
+    quantization: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    enable_expert_parallel: bool
+    expert_placement_strategy: str
+    settings: Any                   # the engine's own `settings` record: the engine knows its type
+
+
+class Spec(Protocol):
+    """What an engine reads of a rank's `fingerprint.WeightSpec`."""
+    path: str
+    dtype: str
+    quantization: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+
+
+class Tables(Protocol):
+    """fast-start's own tables for an engine's as-loaded layout (`Engine.tables`)."""
+    VOCAB_PADDING: int              # the multiple vocab-parallel tensors are padded to
+
+    def arrange(self, dims: ModelDims, tp_size: int, tensors: Iterable[tuple[str, torch.Tensor]]
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The rank's tensors, named and laid out as the engine holds them."""
 
 
 class Engine(Protocol):
@@ -46,13 +80,13 @@ class Engine(Protocol):
     settings: type
     moved: dict[str, str]
 
-    def check(self, model: Any) -> Iterator[tuple[str, str, str]]:
+    def check(self, model: Model) -> Iterator[tuple[str, str, str]]:
         """(key, what is wrong, the fix) for each of this engine's rules `model` breaks."""
 
-    def options(self, model: Any) -> str:
+    def options(self, model: Model) -> str:
         """The fingerprint's `engine_options`: what else steers the bytes this engine makes."""
 
-    def expert_parallel(self, model: Any) -> str:
+    def expert_parallel(self, model: Model) -> str:
         """The fingerprint's `expert_parallel`: the expert placement, "" where none."""
 
     def requested_quantization(self, configured: str) -> str:
@@ -63,13 +97,12 @@ class Engine(Protocol):
         """The fingerprint's architecture, quantization and quantization_config, from the
         checkpoint's config.json."""
 
-    def estimate(self, spec: Any) -> int:
+    def estimate(self, spec: Spec) -> int:
         """A rank's bytes from the checkpoint's headers, before the engine builds it."""
 
-    def tables(self) -> Any:
+    def tables(self) -> Tables | None:
         """fast-start's own tables for this engine's as-loaded layout, used where the fill worker's
-        environment lacks the engine: an object (a module) with `VOCAB_PADDING` (the multiple vocab-parallel
-        tensors are padded to) and `arrange(dims, tp_size, tensors)`; None where there are none."""
+        environment lacks the engine (a module will do); None where there are none."""
 
 
 GROUP = "fast_start.engines"     # the entry-point group another package registers its engine under
