@@ -229,22 +229,29 @@ def _model(raw, path: str, where: str, deprecated: list[str]) -> ModelConfig:
             raise ConfigError(f"{path}: {where} has a table [model.{name}], but "
                               + (f"engine {engine.name!r} fills the model" if engine else "no engine fills the model"),
                               f"name it [model.{engine.name}]" if engine else f"remove it, or set {_by_engine()}")
+    named = f"{path}: {where} ({model.name!r})"
     if engine is None:
         for key, value in moved.items():
-            _unused_setting(key, value, f"{path}: {where} ({model.name!r})", deprecated)
+            _unused_setting(key, value, named, deprecated)
         return model
-    settings = dict(tables.get(engine.name, {}))
+    settings = _moved_in(engine, dict(tables.get(engine.name, {})), moved, named, deprecated)
+    return with_settings(model, settings, path, f"{where} [model.{engine.name}]")
+
+
+def _moved_in(engine: engines.Engine, settings: dict, moved: dict, where: str, deprecated: list[str]) -> dict:
+    """`settings` (an engine's table) with the keys an older version read in the [[model]] itself
+    (`moved`) in the fields each now is, a note for each."""
     for key, value in moved.items():
         new = engine.moved.get(key)
         if new is None:
-            raise ConfigError(f"{path}: {where} has unknown key {key!r}", f"remove it: {engine.title} has no such setting")
+            raise ConfigError(f"{where} has unknown key {key!r}", f"remove it: {engine.title} has no such setting")
         if new in settings:
-            raise ConfigError(f"{path}: {where} sets {key!r} and [model.{engine.name}] {new}",
+            raise ConfigError(f"{where} sets {key!r} and [model.{engine.name}] {new}",
                               f"keep [model.{engine.name}] {new} alone")
         settings[new] = value
-        deprecated.append(f"{path}: {where} ({model.name!r}): key {key!r} is [model.{engine.name}] {new} now; "
-                          "move it there (it is read as if it were)")
-    return with_settings(model, settings, path, f"{where} [model.{engine.name}]")
+        deprecated.append(f"{where}: key {key!r} is [model.{engine.name}] {new} now; move it there (it is read as "
+                          "if it were)")
+    return settings
 
 
 def with_settings(model: ModelConfig, raw: dict, path: str, where: str) -> ModelConfig:
