@@ -232,3 +232,12 @@ def test_vllm_spec_counts_slots_dp_rank_by_dp_rank_and_names_the_expert_placemen
     assert got == [(4, 1, 0, "round_robin"), (4, 1, 1, "round_robin"), (4, 2, 0, "round_robin"),
                    (4, 2, 1, "round_robin")]
     assert cfg.models[1].spec(0).expert_parallel == ""
+
+
+def test_a_daemon_logs_each_key_an_older_config_wrote_once_as_it_starts(small, tmp_path, daemons):
+    from devtools.harness import write_config
+    cfg = write_config(tmp_path / "fs.toml", tmp_path / "run", [
+        {"name": "h", "path": str(small), "gpus": [0], "engine_version": "test", "kv_cache_dtype": "auto"}])
+    d = daemons(cfg)
+    line = "[[model]] #1 ('h'): key 'kv_cache_dtype' is vLLM's setting, and no engine fills this model; remove it"
+    assert d.log.read_text().count(line) == 1, d.log.read_text()[-2000:]
