@@ -236,6 +236,12 @@ def ask_report(directory: str, gpu: int, msg, kind: type[R]) -> R:
     return reports.read(kind, ask(directory, gpu, msg).body, f"GPU {gpu}'s {msg.kind} report")
 
 
+def each_report(config: Path, gpu: int | None, msg, kind: type[R]) -> list[R]:
+    """`ask_report` of the daemon of GPU `gpu`, or of every daemon the config's socket_dir has."""
+    directory = socket_dir(config)
+    return [ask_report(directory, g, msg, kind) for g in gpus(directory, gpu)]
+
+
 def _state_of(obj) -> reports.DaemonState:
     """A daemon's state file as `status` shows it; ProtocolError or ValueError naming what does
     not fit."""
@@ -323,8 +329,7 @@ def _duration(seconds: float) -> str:
 @fails
 def fingerprints(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON):
     """The fingerprints each daemon holds, field by field."""
-    directory = socket_dir(config)
-    data = [ask_report(directory, g, protocol.Fingerprints(), reports.Fingerprints) for g in gpus(directory, gpu)]
+    data = each_report(config, gpu, protocol.Fingerprints(), reports.Fingerprints)
 
     def human(_):
         for d in data:
@@ -938,9 +943,7 @@ def reload(gpu: int = typer.Option(..., "--gpu"), timeout: float = typer.Option(
 def metrics(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON):
     """Counters and gauges of every daemon in Prometheus' text format (--json: the samples)."""
     from .metrics import render
-    directory = socket_dir(config)
-    samples = [s for g in gpus(directory, gpu)
-               for s in ask_report(directory, g, protocol.Metrics(), reports.Metrics).samples]
+    samples = [s for r in each_report(config, gpu, protocol.Metrics(), reports.Metrics) for s in r.samples]
     emit(samples, as_json, lambda s: sys.stdout.write(render(s)))
 
 
@@ -948,8 +951,7 @@ def metrics(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSO
 @fails
 def evictions(gpu: Optional[int] = GPU, config: Path = CONFIG, as_json: bool = JSON):
     """Recent evictions with their reason (manual, release, ...)."""
-    directory = socket_dir(config)
-    data = [ask_report(directory, g, protocol.Evictions(), reports.Evictions) for g in gpus(directory, gpu)]
+    data = each_report(config, gpu, protocol.Evictions(), reports.Evictions)
 
     def human(_):
         table = Table("GPU", "time", "model", "reason", "GiB", "leases then")
