@@ -1,6 +1,7 @@
 """`fast-start daemon --gpu N`: fill the cache for GPU N, then serve it. No torch in here.
 
-Start-up order is the contract with systemd and engines:
+Start-up order is the contract with systemd and engines (the steps that need no daemon are
+`startup.py`'s):
 1. load and validate the config; create and check the socket directory and take the GPU's lock
    (`gpu<N>.lock`: a second daemon for the same GPU fails at once, naming the first's pid);
 2. start a fill worker with each interpreter the GPU's models name (`worker_python`, a model's
