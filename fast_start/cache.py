@@ -1,7 +1,10 @@
 """The daemon's state: cached model shards (arena fds + manifests), leases and evictions.
 
-`Cache.handle` answers one decoded request; it is called from many connection threads and takes
-the lock for every change. It never raises for a bad request: the reply says what was wrong.
+`Cache.handle` answers one decoded request that changes or leases (reports are `views.py`'s, the
+words of a miss `misses.py`'s); it is called from many connection threads and takes the lock for
+every change. It never raises for a bad request: the reply says what was wrong. What the daemon
+must act on (an eviction, an engine's pidfd, a stale checkpoint, a fill asked for) it is told
+through `Events`.
 
 No client can make the daemon run out of file descriptors: leases are bounded and share one
 pidfd per engine process (`leases.py`); arena fds go out as they are (no dup per reply): an
