@@ -65,16 +65,8 @@ def fill(sock: socket.socket, job: protocol.FillJob, fds) -> None:
     _, materialize, _ = data_plane()
     use_device(job.device)
     spec = WeightSpec(**job.spec)
-    bandwidth, start, last = job.bandwidth, time.monotonic(), [0.0]
-
-    def progress(done: int, total: int) -> None:
-        if bandwidth:   # an operator's cap on read bandwidth (shared storage, many daemons at once)
-            time.sleep(max(0.0, done / bandwidth - (time.monotonic() - start)))
-        now = time.monotonic()
-        if now - last[0] >= PROGRESS_EVERY or done == total:
-            last[0] = now
-            protocol.send(sock, protocol.Progress(job.model, spec.rank, done, total))
-
+    progress = _Progress(sock, job.model, spec.rank, bandwidth=job.bandwidth).at
+    start = time.monotonic()
     engine = filling_engine(spec)
     if engine is not None:
         module, _, function = engine.filler.partition(":")
@@ -125,16 +117,24 @@ def verify(sock: socket.socket, job: protocol.VerifyJob, fds) -> None:
 
 
 class _Progress:
-    """Progress reports of a job, at most ten a second (and the last one)."""
+    """A job's progress frames, at most one each PROGRESS_EVERY (and the last one). With a
+    `bandwidth` (bytes/s: an operator's cap on reads, for shared storage and many daemons at
+    once), the job is slowed to it."""
 
-    def __init__(self, sock: socket.socket, model: str, rank: int, total: int):
-        self.sock, self.model, self.rank, self.total = sock, model, rank, total
-        self.done, self.sent = 0, 0.0
+    def __init__(self, sock: socket.socket, model: str, rank: int, total: int = 0, bandwidth: int = 0):
+        self.sock, self.model, self.rank, self.total, self.bandwidth = sock, model, rank, total, bandwidth
+        self.done, self.sent, self.start = 0, 0.0, time.monotonic()
 
     def add(self, nbytes: int) -> None:
-        self.done += nbytes
-        if time.monotonic() - self.sent >= 0.1 or self.done >= self.total:
-            protocol.send(self.sock, protocol.Progress(self.model, self.rank, self.done, self.total))
+        self.at(self.done + nbytes, self.total)
+
+    def at(self, done: int, total: int) -> None:
+        """`done` of `total` bytes (a filler's `progress`)."""
+        self.done, self.total = done, total
+        if self.bandwidth:
+            time.sleep(max(0.0, done / self.bandwidth - (time.monotonic() - self.start)))
+        if time.monotonic() - self.sent >= PROGRESS_EVERY or done >= total:
+            protocol.send(self.sock, protocol.Progress(self.model, self.rank, done, total))
             self.sent = time.monotonic()
 
 
