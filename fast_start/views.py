@@ -13,11 +13,7 @@ from .trust import Peer
 
 def report(cache: Cache, kind: str, peer: Peer | None = None):
     """The report a request of `kind` (one of KINDS) asks for."""
-    return {"status": status, "fingerprints": fingerprints, "evictions": evictions, "metrics": metric_samples}[kind](
-        cache, peer)
-
-
-KINDS = ("status", "fingerprints", "evictions", "metrics")
+    return REPORTS[kind](cache, peer)
 
 
 def status(cache: Cache, peer: Peer | None = None) -> reports.Status:
@@ -83,3 +79,7 @@ def metric_samples(cache: Cache, peer: Peer | None = None) -> reports.Metrics:
 
 def evictions(cache: Cache, peer: Peer | None = None) -> reports.Evictions:
     return reports.Evictions(cache.gpu, cache.history.listed())
+
+
+REPORTS = {"status": status, "fingerprints": fingerprints, "evictions": evictions, "metrics": metric_samples}
+KINDS = tuple(REPORTS)
