@@ -164,11 +164,16 @@ class Standby:
         self.front.stdin.write(f"serve {engine.socket}\n" if engine else "hold\n")
         self.front.stdin.flush()
 
-    def fork(self) -> Engine:
+    def fork(self) -> Engine | None:
+        """A new engine, or None where a stop came first (its handler may run just before the block:
+        an engine forked after it would never be told to stop)."""
         self.started += 1
         path = os.path.join(self.folder, f"engine-{self.started}.sock")
         starts_as = STANDBY if self.serving() else SERVING
         signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+        if self.stopping:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
+            return None
         pid = os.fork()
         if pid == 0:
             signal.set_wakeup_fd(-1)

@@ -93,11 +93,11 @@ class Supervisor:
         self.main, self.argv, self.restarts = main, argv, restarts
         self.failures = Failures()
         self.pid = 0
-        self.stopping = False
+        self.stopping, self.stopped_by = False, 0
 
     def forward(self, sig: int, _frame) -> None:
         """systemctl stop: the engine's process group gets the signal; no restart follows."""
-        self.stopping = True
+        self.stopping, self.stopped_by = True, sig
         if self.pid:
             try:
                 os.killpg(self.pid, sig)
@@ -108,6 +108,9 @@ class Supervisor:
         """Fork the engine, wait for it, clean up after it: its status (negative: the signal)."""
         started = time.monotonic()
         signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)        # a stop now waits until the engine's pid is known
+        if self.stopping:       # a stop came just before the block: no engine to start, end by its signal
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
+            return -self.stopped_by
         self.pid = os.fork()
         if self.pid == 0:
             child(self.main, self.argv, f"engine started (pid {os.getpid()}) from the warm interpreter, "
