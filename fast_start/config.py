@@ -219,7 +219,8 @@ def _model(raw, path: str, where: str, deprecated: list[str]) -> ModelConfig:
         raise ConfigError(f"{path}: {where} must be a table", "write it as [[model]]")
     tables = {k: v for k, v in raw.items() if isinstance(v, dict)}
     own = {k: v for k, v in raw.items() if k not in tables}
-    moved = {k: own.pop(k) for k in list(own) if k not in _keys(ModelConfig) and _moved_by_an_engine(k)}
+    known = _keys(ModelConfig)
+    moved = {k: own.pop(k) for k in list(own) if k not in known and _owner(k) is not None}
     model = _table(ModelConfig, own, path, where)
     engine = model.filler
     if engine is None and (model.engine or model.layout != "hf"):
@@ -267,10 +268,6 @@ def with_settings(model: ModelConfig, raw: dict, path: str, where: str) -> Model
 def _keys(cls) -> dict:
     """The keys a table of `cls` takes (its fields, less those its sub-tables fill)."""
     return {f.name: f for f in fields(cls) if not f.metadata.get("table")}
-
-
-def _moved_by_an_engine(key: str) -> bool:
-    return _owner(key) is not None
 
 
 def _owner(key: str):
