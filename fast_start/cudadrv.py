@@ -1,6 +1,6 @@
 """The engine's few CUDA driver calls, through ctypes: name the GPU, import and map an arena fd,
 make a mapped range the process's own (`own`), and reserve an address range whose memory comes
-and goes (`reserve`, `create`, `map_handle`: a standby's KV cache, `engines/vllm/standby_kv.py`).
+and goes (`reserve`, `create`, `map_handle`: a standby's KV cache, `plugins/vllm/standby_kv.py`).
 
 The engine side runs these on every start. `cuda-bindings` (which the daemon and the fill worker
 use, `gpus.py` and `vmm.py`) takes longer to import than a whole fetch may (BENCHMARKS.md);

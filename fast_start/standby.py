@@ -9,7 +9,7 @@ every connection made to HOST:PORT, and the standby, which started the same way 
 `--load-format fast_start` in `zero_copy`, on the daemon's weights: no second copy) and then
 sleeps (vLLM's level-1 sleep, its scheduler paused). Each engine is told what it starts as
 (`STARTS_AS`): the standby's KV cache has its addresses but no memory of its own until it wakes
-(`engines/vllm/standby_kv.py`), so it starts beside a serving engine that holds the GPU at
+(`plugins/vllm/standby_kv.py`), so it starts beside a serving engine that holds the GPU at
 vLLM's usual `gpu_memory_utilization`. When the serving engine dies, the front holds new
 connections, the dead engine's processes are killed and reaped (its memory is the standby's KV
 cache's), the standby is woken (its KV cache backed, its graphs valid), and the front joins the

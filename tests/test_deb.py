@@ -150,7 +150,7 @@ def test_install_start_serve_upgrade_and_purge(box, debs):
     assert done.returncode == 0, done.stdout + done.stderr
     got = json.loads(done.stdout)
     assert got["version"] == VERSION and got["file"].startswith("/opt/engine/lib/python3")
-    assert got["plugin"] == ["fast_start.engines.vllm.loader:register"]
+    assert got["plugin"] == ["fast_start.plugins.vllm.loader:register"]
     assert c.run("/opt/engine/bin/python", "-c", "import fast_start; print(fast_start.__version__)"
                  ).stdout.strip() == VERSION
 

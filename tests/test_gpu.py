@@ -130,7 +130,7 @@ def test_recorded_attributes_are_made_on_the_gpu_in_one_copy_per_dtype_each_its_
     """What a vLLM model built on meta gets back by value (`vllm_state.made`): records from an
     accelerator land on the engine's GPU with their values, dtypes and shapes, each writable
     without touching its neighbours; CPU records stay on the CPU."""
-    from fast_start.engines.vllm import state as vllm_state
+    from fast_start.plugins.vllm import state as vllm_state
     records = {f"layers.{i}.k_scale": ["float32", [], "cuda", [float(i)]] for i in range(40)}
     records.update({"table": ["int64", [2, 3], "cuda", list(range(6))], "host": ["float32", [1], "cpu", [3.0]],
                     "none": ["bfloat16", [0], "cuda", []], "where": ["device", "cuda"]})
@@ -149,7 +149,7 @@ ATTENTION_PROBE = textwrap.dedent("""
     import json, sys, torch
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.v1.attention import selector
-    from fast_start.engines.vllm import attention as vllm_attention
+    from fast_start.plugins.vllm import attention as vllm_attention
     noted = json.loads(sys.argv[1])
     with set_current_vllm_config(VllmConfig()):
         context = vllm_attention.recording(noted) if sys.argv[2] == "record" else vllm_attention.choosing(noted)

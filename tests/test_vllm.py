@@ -177,7 +177,7 @@ def test_features_that_write_weights_are_refused_at_start_in_zero_copy_only():
     a zero_copy engine refuses it as the load starts, naming the fix; copy mode allows it."""
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
-    from fast_start.engines.vllm.loader import refusal
+    from fast_start.plugins.vllm.loader import refusal
     config = VllmConfig(weight_transfer_config=WeightTransferConfig())
     assert refusal(config, "zero_copy") == (
         "fast-start: weight_transfer_config writes a trainer's weights into the engine's, and a zero_copy engine's "
@@ -206,8 +206,8 @@ def test_a_copy_engine_whose_daemon_drops_takes_its_bytes_over_in_vllms_start_up
     from vllm.v1.worker.utils import request_memory
     from types import SimpleNamespace
     from vllm.v1.worker import gpu_worker
-    from fast_start.engines.vllm.loader import _count_as_free, _handover, _starting, register
-    from fast_start.engines.vllm.fill import one_rank
+    from fast_start.plugins.vllm.loader import _count_as_free, _handover, _starting, register
+    from fast_start.plugins.vllm.fill import one_rank
     run = tmp_path / "run"
     d = daemons(write_config(tmp_path / "drop.toml", run, [vllm_model("llama", checkpoints["llama"], [0])],
                              on_release="drop"))
@@ -331,7 +331,7 @@ def test_expert_load_balancing_is_refused_in_zero_copy_naming_copy():
     """EPLB moves experts between ranks as the engine runs, writing weights in place. (vLLM's CPU
     build refuses to configure EPLB at all: the flag is set on a validated config here.)"""
     from vllm.config import ParallelConfig, VllmConfig
-    from fast_start.engines.vllm.loader import refusal
+    from fast_start.plugins.vllm.loader import refusal
     config = VllmConfig(parallel_config=ParallelConfig(enable_expert_parallel=True))
     config.parallel_config.enable_eplb = True
     assert refusal(config, "zero_copy").startswith("fast-start: enable_eplb moves experts between ranks")
@@ -344,7 +344,7 @@ def test_kernel_choices_the_fill_does_not_make_are_a_miss_naming_them(checkpoint
     takes vLLM's defaults, so an engine that sets them misses, naming them, before asking."""
     from vllm.config import CacheConfig, KernelConfig, ModelConfig, ParallelConfig, VllmConfig
     from fast_start.errors import CacheMiss
-    from fast_start.engines.vllm.loader import weight_spec
+    from fast_start.plugins.vllm.loader import weight_spec
     model = ModelConfig(model=str(checkpoints["qwen3-moe"]), dtype="bfloat16", skip_tokenizer_init=True)
     config = VllmConfig(model_config=model, kernel_config=KernelConfig(moe_backend="triton", linear_backend="triton"),
                         parallel_config=ParallelConfig(enable_expert_parallel=True, all2all_backend="deepep_low_latency"),
@@ -433,7 +433,7 @@ def test_register_is_idempotent_and_options_are_checked():
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
 
-    from fast_start.engines.vllm.loader import FastStartLoader, Options, register
+    from fast_start.plugins.vllm.loader import FastStartLoader, Options, register
     register()
     register()
     loader = get_model_loader(LoadConfig(load_format="fast_start",
@@ -552,7 +552,7 @@ def test_the_fills_attention_backend_is_named_again_only_for_the_same_inputs(mon
     from vllm.platforms import current_platform
     from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    from fast_start.engines.vllm import attention as vllm_attention
+    from fast_start.plugins.vllm import attention as vllm_attention
 
     asked, platform_choice = [], current_platform.get_attn_backend_cls
 
@@ -594,7 +594,7 @@ def test_a_model_built_on_meta_with_a_tensor_left_there_is_a_miss_naming_it():
     """The last check of an engine that built on meta: anything still on meta after the cache was
     installed (a tensor in a kernel object's list here) is a miss that names where it is held."""
     from fast_start.errors import CacheMiss
-    from fast_start.engines.vllm.install import check_complete
+    from fast_start.plugins.vllm.install import check_complete
     from fast_start.engines.vllm.record import FillRecord
 
     class Kernel:
@@ -615,7 +615,7 @@ def test_a_meta_builds_recorded_attributes_are_made_again_and_a_bad_record_is_a_
     from an accelerator moved in one copy per dtype, each its own tensor); a record it cannot
     make again is a miss that names the attribute, and the model is left as it was."""
     from fast_start.errors import CacheMiss
-    from fast_start.engines.vllm.install import complete
+    from fast_start.plugins.vllm.install import complete
     from fast_start.engines.vllm.record import FillRecord
 
     def record(attrs):

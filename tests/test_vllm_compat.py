@@ -1,10 +1,10 @@
-"""The vLLM version ranges fast-start supports, one module each (`engines/vllm/compat/`)."""
+"""The vLLM version ranges fast-start supports, one module each (`plugins/vllm/compat/`)."""
 import logging
 import os
 
 import pytest
 
-from fast_start.engines.vllm import compat
+from fast_start.plugins.vllm import compat
 
 
 @pytest.mark.parametrize("version,module", [("0.26.0", "v0_26"), ("0.29.9", "v0_26"), ("0.30.1", "v0_30"),

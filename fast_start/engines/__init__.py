@@ -1,11 +1,12 @@
 """Engines: the inference engines that fill a model themselves, by name.
 
 A model whose `engine` names one is filled by that engine where the fill worker's
-environment has it installed (vLLM builds, loads and processes the rank: `engines/vllm/`);
-otherwise fast-start's own tables build the layout (`materialize.py`). The control plane (the
-config, the daemon, the CLI) asks an engine through `Engine` for what it decides there: its
-settings (`[model.<name>]`) and rules, its fingerprint fields, the version installed in a
-worker's environment.
+environment has it installed (vLLM builds, loads and processes the rank); otherwise
+fast-start's own tables build the layout (`materialize.py`). The control plane (the config,
+the daemon, the CLI) asks an engine through `Engine` for what it decides there: its settings
+(`[model.<name>]`) and rules, its fingerprint fields, the version installed in a worker's
+environment. This package is that description alone; the code that runs inside an engine's
+processes and in its fill (vLLM's: `plugins/vllm/`) imports it, never the other way round.
 Only the fill (`Engine.filler`) and the tables touch torch, imported where they run.
 
 `model` below is a `config.ModelConfig`, `spec` a `fingerprint.WeightSpec` (this package sits

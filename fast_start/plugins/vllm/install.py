@@ -22,7 +22,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from . import preprocessed as vllm_preprocessed, state as vllm_state
 from ...client import Weights, fit_error
 from ...errors import CacheMiss
-from .record import FillRecord
+from ...engines.vllm.record import FillRecord
 
 
 def prepare(model: torch.nn.Module, weights: Weights, record: FillRecord, model_config, device: torch.device) -> None:

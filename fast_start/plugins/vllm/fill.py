@@ -35,10 +35,9 @@ from collections.abc import Callable
 import torch
 
 from ... import arena as arenas
-from . import ENGINE
-from . import attention as vllm_attention, preprocessed as vllm_preprocessed
-from . import rules as vllm_rules, state as vllm_state
-from .record import FillRecord
+from . import attention as vllm_attention, preprocessed as vllm_preprocessed, state as vllm_state
+from ...engines.vllm import ENGINE, rules as vllm_rules
+from ...engines.vllm.record import FillRecord
 from ...errors import FastStartError
 from ...fingerprint import WeightSpec, fingerprint
 from ...manifest import ALIGN, CHUNK, ArenaEntry, Manifest, TensorEntry, place

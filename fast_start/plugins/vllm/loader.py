@@ -62,10 +62,10 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from . import attention as vllm_attention, compat, kept, roles, rules as vllm_rules, standby_kv, state as vllm_state
-from . import ENGINE
+from . import attention as vllm_attention, compat, kept, roles, standby_kv, state as vllm_state
+from ...engines.vllm import ENGINE, rules as vllm_rules
 from .install import prepare
-from .record import FillRecord
+from ...engines.vllm.record import FillRecord
 from ...client import cached, fetch, release
 from ...errors import CacheMiss, FastStartError, QuantizationError
 from ...fingerprint import WeightSpec
