@@ -47,7 +47,9 @@ class Range:
     def __init__(self, size: int, ordinal: int, light: bool):
         grain = cudadrv.granularity(ordinal)
         self.size, self.ordinal = -(-size // grain) * grain, ordinal
-        self.ptr = cudadrv.reserve(self.size)
+        # The driver maps a handle whole (a part of one is CUDA_ERROR_NOT_SUPPORTED): the range
+        # spans whole blocks, of which a backed range maps its first `size` bytes.
+        self.ptr = cudadrv.reserve(-(-size // BLOCK) * BLOCK)
         self.mapped: list[tuple[int, int]] = []     # (address, bytes) of each mapping
         self.backed = False
         self.lighten() if light else self.back()
@@ -75,9 +77,8 @@ class Range:
         block = _block(self.ordinal)
         self._unmap()
         for offset in range(0, self.size, BLOCK):
-            size = min(BLOCK, self.size - offset)
-            cudadrv.map_handle(self.ptr + offset, size, block, self.ordinal)
-            self.mapped.append((self.ptr + offset, size))
+            cudadrv.map_handle(self.ptr + offset, BLOCK, block, self.ordinal)
+            self.mapped.append((self.ptr + offset, BLOCK))
         self.backed = False
 
     def _unmap(self) -> None:
