@@ -42,8 +42,10 @@ from devtools import synth
 from fast_start import memory
 from fast_start.gpus import device_uuid
 
-OUT = Path(sys.argv[1])
 WORK = Path(os.environ.get("FAST_START_BENCH_WORK", "/tmp/fast-start-big"))
+# The running benchmark's OUTDIR (its first argument; those that import this module take theirs
+# alike); WORK where there is none, so that importing it for its checkpoint works anywhere.
+OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else WORK
 SHAPE = synth.Shape(architecture="Qwen3ForCausalLM", hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
                     head_dim=128, intermediate_size=12288, vocab_size=151936)
 GB = 1e9
