@@ -49,7 +49,7 @@ class Range:
         self.size, self.ordinal = -(-size // grain) * grain, ordinal
         # The driver maps a handle whole (a part of one is CUDA_ERROR_NOT_SUPPORTED): the range
         # spans whole blocks, of which a backed range maps its first `size` bytes.
-        self.ptr = cudadrv.reserve(-(-size // BLOCK) * BLOCK)
+        self.ptr = cudadrv.reserve(-(-self.size // BLOCK) * BLOCK)
         self.mapped: list[tuple[int, int]] = []     # (address, bytes) of each mapping
         self.backed = False
         self.lighten() if light else self.back()
