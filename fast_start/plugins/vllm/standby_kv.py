@@ -47,8 +47,9 @@ class Range:
     def __init__(self, size: int, ordinal: int, light: bool):
         grain = cudadrv.granularity(ordinal)
         self.size, self.ordinal = -(-size // grain) * grain, ordinal
-        # The driver maps a handle whole (a part of one is CUDA_ERROR_NOT_SUPPORTED): the range
-        # spans whole blocks, of which a backed range maps its first `size` bytes.
+        # The driver maps whole allocations (on an H100, laying the block over a range whose last
+        # piece took part of it failed: CUDA_ERROR_NOT_SUPPORTED): the range spans whole blocks,
+        # of which a backed range maps its first `size` bytes.
         self.ptr = cudadrv.reserve(-(-self.size // BLOCK) * BLOCK)
         self.mapped: list[tuple[int, int]] = []     # (address, bytes) of each mapping
         self.backed = False
