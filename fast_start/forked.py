@@ -1,11 +1,13 @@
 """An engine forked from a warm interpreter: what both supervisors (`supervise`, `standby`) share.
 
 The engine runs in a forked child of its own process group with default signals (`child`); the
-supervisor is the subreaper of what it leaves (`children`), forwards `STOPS` to it, counts its
+supervisor forks it with the stops held (`stops_held`), is the subreaper of what it leaves
+(`children`), forwards `STOPS` to it, counts its
 failures in a window (`Failures`) and writes one journal line per event (`say`). Stdlib only.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -21,6 +23,27 @@ def say(line: str) -> None:
     """One line in one write: the engine writes to the same journal stream at the same time."""
     sys.stderr.write(f"fast-start: {line}\n")
     sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def stops_held():
+    """The stop signals blocked while an engine is forked and recorded: one that comes meanwhile
+    waits, then reaches the engine too. One whose handler ran just before the block does not: the
+    caller checks for it inside, and forks no engine that would never be told to stop."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
+
+
+def own_group(pid: int) -> None:
+    """Put the forked engine in its own process group from the supervisor's side too (it does so
+    itself in `child`): a stop forwarded at once reaches the group."""
+    try:
+        os.setpgid(pid, pid)
+    except OSError:
+        pass
 
 
 def child(main, argv: list[str], first: str) -> None:

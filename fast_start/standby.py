@@ -37,7 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from .forked import STOPS, WINDOW_S, Failures, child, children, say
+from .forked import WINDOW_S, Failures, child, children, own_group, say, stops_held
 
 STARTING, STANDBY, SERVING = "starting", "standby", "serving"
 STARTS_AS = "FAST_START_STARTS_AS"      # what a forked engine starts as: SERVING, or STANDBY (its KV cache light)
@@ -170,29 +170,28 @@ class Standby:
         self.started += 1
         path = os.path.join(self.folder, f"engine-{self.started}.sock")
         starts_as = STANDBY if self.serving() else SERVING
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
-        if self.stopping:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
-            return None
-        pid = os.fork()
-        if pid == 0:
-            signal.set_wakeup_fd(-1)
-            for fd in (self.wake_r, self.wake_w, self.front_fd, self.front.stdin.fileno()):
-                os.close(fd)
-            for other in self.engines:
-                other.close()
-            os.environ[STARTS_AS] = starts_as
-            child(self.main, [*self.argv, "--uds", path],
-                  f"engine {os.getpid()} starting from the warm interpreter ({starts_as} once it listens)")
-        try:
-            os.setpgid(pid, pid)        # also here: a stop forwarded at once reaches the group
-        except OSError:
-            pass
-        engine = Engine(pid, path, starts_as)
-        engine.watched[os.pidfd_open(pid)] = pid
-        self.engines.append(engine)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)      # a stop from now on reaches this engine too
+        with stops_held():          # a stop now waits until this engine is recorded, then reaches it too
+            if self.stopping:
+                return None
+            pid = os.fork()
+            if pid == 0:
+                self._child(path, starts_as)
+            own_group(pid)
+            engine = Engine(pid, path, starts_as)
+            engine.watched[os.pidfd_open(pid)] = pid
+            self.engines.append(engine)
         return engine
+
+    def _child(self, path: str, starts_as: str) -> None:
+        """The forked engine: none of the supervisor's descriptors, told what it starts as."""
+        signal.set_wakeup_fd(-1)
+        for fd in (self.wake_r, self.wake_w, self.front_fd, self.front.stdin.fileno()):
+            os.close(fd)
+        for other in self.engines:
+            other.close()
+        os.environ[STARTS_AS] = starts_as
+        child(self.main, [*self.argv, "--uds", path],
+              f"engine {os.getpid()} starting from the warm interpreter ({starts_as} once it listens)")
 
     def serving(self) -> Engine | None:
         return next((e for e in self.engines if e.role == SERVING), None)

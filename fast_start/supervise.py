@@ -26,7 +26,7 @@ import sys
 import time
 from importlib.metadata import entry_points
 
-from .forked import STOPS, WINDOW_S, Failures, child, children, say
+from .forked import STOPS, WINDOW_S, Failures, child, children, own_group, say, stops_held
 
 PRELOAD = {"vllm": ("vllm.entrypoints.cli.serve", "vllm.entrypoints.openai.api_server",   # `vllm serve`'s imports
                     "vllm.v1.engine.core")}
@@ -107,19 +107,14 @@ class Supervisor:
     def run_once(self) -> int:
         """Fork the engine, wait for it, clean up after it: its status (negative: the signal)."""
         started = time.monotonic()
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)        # a stop now waits until the engine's pid is known
-        if self.stopping:       # a stop came just before the block: no engine to start, end by its signal
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
-            return -self.stopped_by
-        self.pid = os.fork()
-        if self.pid == 0:
-            child(self.main, self.argv, f"engine started (pid {os.getpid()}) from the warm interpreter, "
-                                        f"{time.monotonic() - started:.2f} s")
-        try:
-            os.setpgid(self.pid, self.pid)      # also here: a signal forwarded at once reaches the group
-        except OSError:
-            pass
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
+        with stops_held():          # a stop now waits until the engine's pid is known
+            if self.stopping:       # a stop came just before: no engine to start, end by its signal
+                return -self.stopped_by
+            self.pid = os.fork()
+            if self.pid == 0:
+                child(self.main, self.argv, f"engine started (pid {os.getpid()}) from the warm interpreter, "
+                                            f"{time.monotonic() - started:.2f} s")
+            own_group(self.pid)
         _, status = os.waitpid(self.pid, 0)       # retried by Python after a forwarded stop's handler
         reap_all(self.pid)
         return os.waitstatus_to_exitcode(status)
