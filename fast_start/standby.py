@@ -225,8 +225,9 @@ class Standby:
         self.serve(engine)
         return True
 
-    def fail_over(self, dead: Engine, why: str) -> None:
-        """The serving engine died: the front holds new connections until the standby is awake."""
+    def fail_over(self, dead: Engine, why: str) -> bool:
+        """The serving engine died: the front holds new connections until the standby is awake.
+        Whether the standby serves."""
         noticed = time.monotonic()
         self.point(None)
         self.bury(dead)         # first: its memory is the standby's KV cache's
@@ -238,6 +239,8 @@ class Standby:
         else:
             say(f"failover: engine {dead.pid} died ({why}); standby {standby.pid} serving "
                 f"{time.monotonic() - noticed:.2f} s later")
+            return True
+        return False
 
     def bury(self, engine: Engine) -> None:
         """Kill and reap every process of the engine's group, and every orphan an engine left (one
@@ -284,12 +287,16 @@ class Standby:
             self.fork()
 
     def died(self, engine: Engine, why: str) -> None:
-        failed = self.failures.add()
+        """A failover that served is no failure: the address answered throughout. Every other
+        death (a standby's, a starting engine's, a serving one's that no standby took over)
+        counts toward `--restarts`."""
         if engine.role == SERVING:
-            self.fail_over(engine, why)
+            if self.fail_over(engine, why):
+                return
         else:
             say(f"engine {engine.pid} ({engine.role}) died ({why}); starting another")
             self.bury(engine)
+        failed = self.failures.add()
         if failed > self.restarts:
             self.give_up(f"engines died {failed} times in {WINDOW_S // 60} minutes; the supervisor ends and "
                          "leaves the next restart to systemd")

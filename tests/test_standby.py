@@ -80,7 +80,7 @@ def who(port: int) -> dict:
         conn.close()
 
 
-def engine_with_standby(tmp_path, fifo: str = "") -> tuple[Supervised, int, object]:
+def engine_with_standby(tmp_path, fifo: str = "", restarts: int = 3) -> tuple[Supervised, int, object]:
     """(the supervisor of the test engine with a standby, its public port, the FIFO named `fifo`
     that the engine reads from the variable ENGINE_<FIFO>, if any)."""
     env = write_module(tmp_path / "mods", "engine", ENGINE)
@@ -90,8 +90,8 @@ def engine_with_standby(tmp_path, fifo: str = "") -> tuple[Supervised, int, obje
         os.mkfifo(path)
         env[f"ENGINE_{fifo.upper()}"] = str(path)
     port = free_port()
-    return Supervised(["--standby", f"127.0.0.1:{port}", "--", "-m", "engine", *CACHE_ONLY], env,
-                      tmp_path / "out.log"), port, path
+    return Supervised(["--restarts", str(restarts), "--standby", f"127.0.0.1:{port}", "--", "-m", "engine",
+                       *CACHE_ONLY], env, tmp_path / "out.log"), port, path
 
 
 def stopped(s: Supervised) -> int:
@@ -136,6 +136,32 @@ def test_the_standby_answers_once_the_serving_engine_dies_and_a_new_one_stands_b
         code = stopped(s)
     assert code in (0, -signal.SIGTERM)
     assert not any(alive(p) for p in (standby, next_standby))
+
+
+def test_failovers_that_served_are_no_failures_and_deaths_no_standby_covered_end_it(tmp_path):
+    """A failover drill kills the serving engine more times than `--restarts` allows: each death a
+    standby took over leaves the address answering, so it counts for nothing; deaths of standbys
+    count, and one more than `--restarts` ends the supervisor for systemd to restart."""
+    s, port, _ = engine_with_standby(tmp_path, restarts=1)
+    try:
+        serving, standby = roles(s)
+        standing = r"^fast-start: engine (\d+) standing by"
+        for drill in range(1, 4):
+            os.kill(serving, signal.SIGKILL)
+            s.wait_for(rf"^fast-start: failover: engine {serving} died .*; standby {standby} serving")
+            assert who(port) == {"pid": standby, "asleep": False}
+            serving, standby = standby, int(s.wait_for(standing, 1 + drill)[-1][1])
+        for death in range(1, 3):
+            os.kill(standby, signal.SIGKILL)
+            s.wait_for(rf"^fast-start: engine {standby} \(standby\) died")
+            if death == 1:
+                standby = int(s.wait_for(standing, 5)[-1][1])
+        s.wait_for(r"^fast-start: engines died 2 times in 10 minutes; the supervisor ends")
+        assert s.proc.wait(120) == 1
+        assert not alive(serving)
+    finally:
+        if s.proc.poll() is None:
+            stopped(s)
 
 
 def test_the_orphan_a_dead_engine_left_outside_its_group_is_killed_and_reaped(tmp_path):
