@@ -137,6 +137,8 @@ def test_install_start_serve_upgrade_and_purge(box, debs):
     assert man.startswith(".TH FAST\\-START 8") and "/usr/share/doc/fast\\-start/RUNBOOK.md.gz" in man
     runbook = c.run("zcat", "/usr/share/doc/fast-start/RUNBOOK.md.gz").stdout
     assert runbook == (REPO / "RUNBOOK.md").read_text()
+    for doc in ("operations.md", "vllm.md"):      # the pages the runbook and the unit point to
+        assert c.run("zcat", f"/usr/share/doc/fast-start/{doc}.gz").stdout == (REPO / "docs" / doc).read_text()
     words = c.run("bash", "-c", "source /usr/share/bash-completion/completions/fast-start; "
                   "COMP_WORDS=(fast-start evict --a); COMP_CWORD=2; _fast_start_completion fast-start; "
                   'echo "${COMPREPLY[@]}"').stdout.split()

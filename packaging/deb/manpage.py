@@ -37,6 +37,10 @@ FILES = [
     ("/lib/systemd/system/fast-start@.service", "the template unit: one instance per GPU"),
     ("/usr/share/doc/fast-start/RUNBOOK.md.gz", "the runbook (zless it): install, configure, check, rotate a "
      "model, upgrade the engine, recover from a crash, read the metrics, troubleshoot, uninstall"),
+    ("/usr/share/doc/fast-start/operations.md.gz", "the reference behind the runbook: install, every "
+     "command, GPUs, big models"),
+    ("/usr/share/doc/fast-start/vllm.md.gz", "vLLM engines: the fill, the loader's options, kept compile "
+     "artifacts, the hot standby, quantization and parallel layouts"),
 ]
 EXIT = [("0", "success"),
         ("1", "what was asked for does not hold: a model not cached, a mismatch, a failed fill, an I/O error"),
