@@ -26,7 +26,7 @@ import torch
 from ... import cudadrv
 from ...standby import STANDBY, STARTS_AS
 
-log = logging.getLogger("fast_start")
+log = logging.getLogger("vllm.fast_start")      # vLLM's processes print its loggers' records
 
 BLOCK = 64 << 20                        # the small block a light range maps again and again
 
