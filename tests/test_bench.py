@@ -18,7 +18,7 @@ SERVED = [(16.3, "(APIServer pid=1) INFO 12-06 08:52:38 [api_utils.py:345] versi
 
 
 def test_each_phase_ends_at_its_line_and_the_first_request_follows_the_last():
-    got = phases(SERVED, 49.7)
+    got = phases("default warm", SERVED, 49.7)
     assert list(got) == [name for name, _ in PHASES] + ["first request"]
     assert got == {"import": 16.3, "engine process": 18.2, "weights": 0.9, "torch.compile": 5.6,
                    "profile, KV cache": 0.4, "CUDA graphs": 6.1, "warm-up": 0.6, "server start": 1.4,
@@ -28,10 +28,15 @@ def test_each_phase_ends_at_its_line_and_the_first_request_follows_the_last():
 
 def test_a_phase_not_logged_is_skipped_and_its_time_counted_in_the_next():
     eager = [line for line in SERVED if "torch.compile" not in line[1] and "Graph capturing" not in line[1]]
-    got = phases(eager, 49.7)
+    got = phases("default warm", eager, 49.7)
     assert got["torch.compile"] is None and got["CUDA graphs"] is None
     assert got["profile, KV cache"] == 6.0 and got["warm-up"] == 6.7
-    assert phases(SERVED[:3], None)["first request"] is None      # never answered
+    assert phases("default warm", SERVED[:3], None)["first request"] is None      # never answered
+
+
+def test_a_failover_is_one_span_whatever_the_next_standby_logs_meanwhile():
+    after_kill = [(t - 30.0, line) for t, line in SERVED]       # the next standby starting
+    assert phases("zero_copy standby, failover", after_kill, 0.41) == {"first request": 0.41}
 
 
 def test_each_run_names_its_kept_artifacts_outcome_by_the_loaders_line():
