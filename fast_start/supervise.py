@@ -12,7 +12,8 @@ It stays the unit's main process: the engine keeps the unit's cgroup, sandbox an
 stop` (SIGTERM, SIGINT) reaches the engine, and the supervisor ends as the engine did. An
 engine that ends cleanly ends the supervisor; one that fails more than `--restarts` times in
 `WINDOW_S` ends it as the engine ended, and systemd's `Restart=` decides. Stdlib only.
-`--standby HOST:PORT` keeps a second engine asleep to take over instead (`fast_start.standby`).
+`--standby HOST:PORT` keeps a second engine asleep to take over instead (`fast_start.standby`);
+a failover that served counts toward no `--restarts` limit.
 """
 from __future__ import annotations
 
@@ -150,7 +151,8 @@ def arguments(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--preload", action="append", default=[], metavar="MODULE",
                     help="import MODULE before the engine forks (added to the command's own: PRELOAD)")
     ap.add_argument("--restarts", type=int, default=3,
-                    help=f"restarts within {WINDOW_S // 60} minutes before the supervisor ends (default 3)")
+                    help=f"restarts within {WINDOW_S // 60} minutes before the supervisor ends (default 3); "
+                         "with --standby, a failover that served is none")
     ap.add_argument("--standby", metavar="HOST:PORT", type=address,
                     help="serve HOST:PORT from one engine and keep a second asleep to take over when it dies "
                          "(fast_start.standby); vLLM's server only")
