@@ -2,8 +2,8 @@
 
 The engine runs in a forked child of its own process group with default signals (`child`); the
 supervisor forks it with the stops held (`stops_held`), is the subreaper of what it leaves
-(`children`), forwards `STOPS` to it, counts its
-failures in a window (`Failures`) and writes one journal line per event (`say`). Stdlib only.
+(`children`), forwards `STOPS` to it, counts its failures in a window (`Failures`) and writes
+one journal line per event (`say`). Stdlib only.
 """
 from __future__ import annotations
 
