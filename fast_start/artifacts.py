@@ -12,7 +12,7 @@ is added, so the engine starts from what its folder holds, as it would without f
 folder already holding the set, every file of it whole, is used as it is (`.set` beside it
 records the set). Once the engine has started, `Folder.keep` sends the set back if the engine
 added to it: a file new since the start or of another size, or one of the engine's own folders
-(`ours`) not yet kept. A temp folder is the engine's alone, all of it kept; in an own folder,
+(`ours`) not yet kept, where an earlier engine's files made after its set was kept count too. A temp folder is the engine's alone, all of it kept; in an own folder,
 other engines' files stay out of the set.
 
 Stdlib only: the engine's plugin calls it with torch loaded, but nothing here needs it.
@@ -106,6 +106,12 @@ class Folder:
         with self.locked():
             self.remember(digest)
         return new
+
+    def made(self, names: list[str]) -> list[str]:
+        """Of `names` (what `keep` added to the set), those the engine wrote since its start; the
+        rest the folder held as they are when it started: an earlier engine made them after its
+        set was kept (kernels compiled while it served)."""
+        return [name for name in names if self.before.get(name) != self.listing.get(name)]
 
 
 def users_folder() -> Path:

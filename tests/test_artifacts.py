@@ -117,6 +117,25 @@ def test_a_start_that_rewrites_its_files_as_they_were_sends_nothing_and_a_new_fi
     assert d.log.read_text().count("kept uid") == 2
 
 
+def test_a_kernel_an_engine_compiled_while_it_served_is_kept_by_the_next_start_as_found(daemon):
+    """vLLM JIT-compiles some kernels at the first request, after its set was kept (Triton's
+    `_topk_log_softmax_kernel` on vLLM 0.26): the next start finds the file in the folder and sends
+    it with the set, as found rather than rebuilt; the start after that sends nothing."""
+    d = daemon()
+    first = built(artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS), COMPILED)
+    first.keep()
+    late = {"triton/LATE/_topk_log_softmax_kernel.cubin": b"late"}
+    built(first, late)                                  # the first engine serves
+    second = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
+    assert second.outcome == "hit"
+    new = second.keep()
+    assert new == list(late) and second.made(new) == []
+    third = artifacts.hand_over(str(d.socket), "small", "k1", SETTINGS)
+    assert third.outcome == "hit" and contents(third) == {**COMPILED, **late} and third.keep() == []
+    new = built(third, {"triton/NEW/kernel.cubin": b"k", **dict.fromkeys(late, b"longer")}).keep()
+    assert third.made(new) == new == ["triton/LATE/_topk_log_softmax_kernel.cubin", "triton/NEW/kernel.cubin"]
+
+
 def test_a_folder_of_its_name_made_by_another_user_is_not_used(daemon):
     d = daemon()
     taken = Path(tempfile.gettempdir()) / f"{artifacts.PREFIX}{os.geteuid()}"

@@ -130,14 +130,20 @@ def keep_new(compilation_config=None) -> None:
     except (FastStartError, OSError) as e:
         log.warning("fast-start: could not keep this engine's artifacts: %s", getattr(e, "what", e))
         return
-    size = sum(_folder.listing.values()) / 2**20
-    if new and hit:
+    size, made = sum(_folder.listing.values()) / 2**20, _folder.made(new)
+    if made and hit:
         log.warning("fast-start: vLLM added to the kept artifacts although they were made for these settings (it "
-                    "rebuilt %d files: %s); the daemon keeps the new set (%.1f MiB)", len(new),
-                    ", ".join(new[:3]) + (", ..." if len(new) > 3 else ""), size)
+                    "rebuilt %d files: %s); the daemon keeps the new set (%.1f MiB)", len(made), _some(made), size)
+    elif new and hit:
+        log.info("fast-start: the daemon adds to the kept artifacts %d files an earlier engine made after they "
+                 "were kept (compiled while it served: %s); %.1f MiB", len(new), _some(new), size)
     elif new:
         log.info("fast-start: the daemon keeps this engine's artifacts (%d files, %.1f MiB) for its next start",
                  len(new), size)
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def wrap_warm_up(worker) -> None:
