@@ -383,8 +383,10 @@ def test_a_standby_starts_with_no_kv_memory_and_its_captured_graphs_serve_once_w
 
 def test_a_compiled_engine_whose_home_is_read_only_starts_from_the_artifacts_the_daemon_kept(tmp_path, daemons):
     """vLLM's defaults (torch.compile, CUDA graphs, 0.9) with $HOME not writable: the first
-    zero_copy engine compiles and the daemon keeps what it built; the second starts from it and
-    compiles nothing; both give the default loader's tokens."""
+    zero_copy engine compiles and the daemon keeps what it built; the next ones start from it and
+    compile nothing; all give the default loader's tokens. vLLM 0.26's first load of its AOT
+    artifacts rewrites two Inductor `.best_config` files (seen on an H100), so the second start
+    may add to the set; the third adds nothing."""
     vllm = pytest.importorskip("vllm")
     from bench.vllm_cuda import DENSE
     path = synth.write_checkpoint(tmp_path / "qwen3", DENSE, seed=7)
@@ -398,14 +400,15 @@ def test_a_compiled_engine_whose_home_is_read_only_starts_from_the_artifacts_the
                                 env={"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")})
     assert rc == 0, log[-4000:]
     logs = {}
-    for tag in ("first", "second"):
+    for tag in ("first", "second", "third"):
         rc, got, logs[tag] = vllm_engine(tmp_path / f"{tag}.json", path, load_format="fast_start", engine=compiled,
                                          extra={"socket_dir": str(tmp_path / "run"), "fallback": False},
                                          env={"HOME": "/dev/null"})
         assert rc == 0 and got["source"] == "cache" and got["tokens"] == want["tokens"], (tag, logs[tag][-4000:])
     assert "the daemon keeps this engine's artifacts" in logs["first"], logs["first"][-4000:]
-    assert "vLLM starts from the artifacts the daemon kept" in logs["second"], logs["second"][-4000:]
-    assert "vLLM added to the kept artifacts" not in logs["second"], logs["second"][-4000:]
+    for tag in ("second", "third"):
+        assert "vLLM starts from the artifacts the daemon kept" in logs[tag], logs[tag][-4000:]
+    assert "vLLM added to the kept artifacts" not in logs["third"], logs["third"][-4000:]
 
 
 def test_a_second_daemon_for_the_gpu_from_another_config_fails_at_once(tmp_path, daemons):
