@@ -102,3 +102,22 @@ def test_a_fill_record_this_version_cannot_read_is_a_miss_naming_what():
                       ([], "is not a table")):
         with pytest.raises(CacheMiss, match=what):
             FillRecord.from_dict(bad)
+
+
+def test_vllms_engine_options_are_one_record_written_and_read_back_alike():
+    """What steers vLLM's bytes, as the config says it, as a running engine's config says it, and
+    as the fill gives it back to vLLM: one record, whose JSON is what fingerprints held before."""
+    from types import SimpleNamespace
+
+    from fast_start.engines.vllm.rules import Options
+    environ = {"VLLM_USE_DEEP_GEMM": "0", "HOME": "/root"}
+    auto, chosen = Options.of(environ, "auto", 2), Options.of(environ, "fp8", 1, "marlin")
+    assert auto.encoded() == '{"env":{"VLLM_USE_DEEP_GEMM":"0"},"kv_cache_dtype":"auto","pp":2}'
+    assert chosen.encoded() == '{"env":{"VLLM_USE_DEEP_GEMM":"0"},"kv_cache_dtype":"fp8","moe_backend":"marlin","pp":1}'
+    assert Options.decoded(chosen.encoded()) == chosen and Options.decoded("") == Options({})
+    assert auto.engine_args() == {"kv_cache_dtype": "auto"}
+    assert chosen.engine_args() == {"kv_cache_dtype": "fp8", "moe_backend": "marlin"}
+    running = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8"),
+                              kernel_config=SimpleNamespace(moe_backend="marlin"))
+    assert Options.of_engine(running, 1, environ) == chosen
+    assert Options.of_engine(SimpleNamespace(cache_config=running.cache_config), 1, environ).moe_backend == "auto"

@@ -691,8 +691,9 @@ def test_pipeline_stages_are_filled_by_vllm_rank_by_rank(checkpoints, cache):
 
     def fetch(pp: int, rank: int) -> tuple[dict, dict]:
         """(parameters, buffers) of one rank, each name -> tensor."""
+        options = vllm_rules.Options.of(os.environ, "auto", pp).encoded()
         spec = fast_start.WeightSpec(str(path), 1, rank, layout="vllm", engine_version=vllm.__version__,
-                                     pipeline_parallel_size=pp, engine_options=vllm_rules.engine_options(os.environ, "auto", pp))
+                                     pipeline_parallel_size=pp, engine_options=options)
         w = fast_start.fetch(spec, fallback=False, socket_dir=str(run))
         buffers = set(w.engine["buffers"])
         return {n: w[n] for n in w if n not in buffers}, {n: w[n] for n in w if n in buffers}

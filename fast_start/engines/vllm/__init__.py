@@ -59,7 +59,7 @@ class VllmEngine:
     def options(self, model) -> str:
         own = model.settings
         env = {**os.environ, **rules.parse_env(own.env, model.name)}
-        return rules.engine_options(env, own.kv_cache_dtype, model.pipeline_parallel_size, own.moe_backend)
+        return rules.Options.of(env, own.kv_cache_dtype, model.pipeline_parallel_size, own.moe_backend).encoded()
 
     def expert_parallel(self, model) -> str:
         return rules.expert_parallel(model.enable_expert_parallel, model.expert_placement_strategy,

@@ -1,7 +1,8 @@
 """What a vLLM fill depends on besides the checkpoint, and which quantizations it may cache.
 
 Read without torch or vLLM: the config checks a `[model.vllm]` table with it, the daemon and the engine's
-plugin both compute the fingerprint's `engine_options` with it (so they agree by construction).
+plugin both compute the fingerprint's `engine_options` with it (`Options`, so they agree by
+construction), and the plugin asks it which of an engine's settings the fill cannot match.
 
 The bytes vLLM holds after `process_weights_after_loading` depend on the kernels it chose at
 construction, and so on the environment variables that steer that choice. `KERNEL_ENV` lists
@@ -95,14 +96,72 @@ def expert_parallel(enabled: bool, placement: str, tensor_parallel_size: int, da
 BACKEND = re.compile(r"[a-z][a-z0-9_]*")      # how vLLM names MoE backends and KV-cache dtypes ("marlin", "fp8")
 
 
-def engine_options(environ: dict[str, str], kv_cache_dtype: str, pipeline_parallel_size: int,
-                   moe_backend: str = "auto") -> str:
-    """The fingerprint's `engine_options`: canonical JSON of what steers vLLM's processed bytes.
-    The MoE backend appears only where it is chosen: an "auto" model's fingerprint is as before."""
-    env = {k: environ[k] for k in KERNEL_ENV if k in environ}
-    chosen = {} if moe_backend == "auto" else {"moe_backend": moe_backend}
-    return json.dumps({"env": env, "kv_cache_dtype": kv_cache_dtype, "pp": pipeline_parallel_size, **chosen},
-                      sort_keys=True, separators=(",", ":"))
+class Options(NamedTuple):
+    """The fingerprint's `engine_options`: what steers vLLM's processed bytes besides the spec. The
+    config's `[model.vllm]` (`VllmEngine.options`) and a running engine's config (`of_engine`)
+    both make one; the fill gives it back to vLLM (`env`, `engine_args`)."""
+    env: dict[str, str]
+    """The KERNEL_ENV variables set, with their values."""
+    kv_cache_dtype: str = "auto"
+    """vLLM's `--kv-cache-dtype`."""
+    pp: int = 1
+    """The pipeline-parallel size: how the layers are split."""
+    moe_backend: str = "auto"
+    """vLLM's `--moe-backend`; "auto": vLLM's choice."""
+
+    @classmethod
+    def of(cls, environ, kv_cache_dtype: str, pipeline_parallel_size: int, moe_backend: str = "auto") -> Options:
+        return cls({k: environ[k] for k in KERNEL_ENV if k in environ}, kv_cache_dtype, pipeline_parallel_size,
+                   moe_backend)
+
+    @classmethod
+    def of_engine(cls, vllm_config, pipeline_parallel_size: int, environ) -> Options:
+        """What a running engine's `VllmConfig` says (read by attribute: nothing here imports vLLM)."""
+        backend = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", "auto")
+        return cls.of(environ, vllm_config.cache_config.cache_dtype, pipeline_parallel_size, backend)
+
+    def encoded(self) -> str:
+        """Canonical JSON. The MoE backend appears only where it is chosen: an "auto" model's
+        fingerprint is as before it could be."""
+        chosen = {} if self.moe_backend == "auto" else {"moe_backend": self.moe_backend}
+        return json.dumps({"env": self.env, "kv_cache_dtype": self.kv_cache_dtype, "pp": self.pp, **chosen},
+                          sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def decoded(cls, text: str) -> Options:
+        d = json.loads(text or "{}")
+        return cls(d.get("env", {}), d.get("kv_cache_dtype", "auto"), d.get("pp", 1), d.get("moe_backend", "auto"))
+
+    def engine_args(self) -> dict:
+        """vLLM's `EngineArgs` that make these bytes (a vLLM without `moe_backend` is not passed it
+        unless it is chosen)."""
+        return {"kv_cache_dtype": self.kv_cache_dtype, **({} if self.moe_backend == "auto"
+                                                          else {"moe_backend": self.moe_backend})}
+
+
+def backend_fix(backend: str) -> str:
+    """How a model's engines and fill get the MoE backend `backend`."""
+    return f'set moe_backend = "{backend}" in its [model.vllm] and --moe-backend {backend} in its engines'
+
+
+def unmatched_choices(vllm_config, parallel) -> list[str]:
+    """A running engine's kernel options set away from their defaults that the fill cannot be
+    told: each picks how `process_weights_after_loading` lays out weights (linear backends, the
+    MoE all-to-all, layers whose KV cache stays unquantized), which the fill, on vLLM's defaults,
+    would not match. (The MoE backend is in `Options`.) Read by attribute: nothing here imports vLLM."""
+    kernels = getattr(vllm_config, "kernel_config", None)
+    chosen = []
+    if getattr(kernels, "linear_backend", "auto") != "auto":
+        chosen.append(f"linear_backend={kernels.linear_backend!r}")
+    if getattr(kernels, "linear_backend_per_quant", None):
+        chosen.append(f"linear_backend_per_quant={kernels.linear_backend_per_quant!r}")
+    fields = getattr(type(parallel), "__dataclass_fields__", {})
+    if "all2all_backend" in fields and parallel.all2all_backend != fields["all2all_backend"].default \
+            and getattr(parallel, "enable_expert_parallel", False):
+        chosen.append(f"all2all_backend={parallel.all2all_backend!r}")
+    if getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None):
+        chosen.append(f"kv_cache_dtype_skip_layers={vllm_config.cache_config.kv_cache_dtype_skip_layers!r}")
+    return chosen
 
 
 def parse_env(assignments: tuple[str, ...], where: str) -> dict[str, str]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import tempfile
 import time
@@ -60,21 +59,20 @@ def stage_for(device: str, quantization: str, model: torch.nn.Module) -> str:
         return "loaded"
     hook = vllm_preprocessed.has_hook()
     if quantization in FP4 and (layers := vllm_preprocessed.unfinished(model, hook)):
-        others = vllm_preprocessed.moe_backends(model, hook)
+        others = vllm_preprocessed.finishing_backends(model, hook)
         raise FastStartError(f"neither vLLM {'' if hook else '(no pre-processed pass here) '}nor fast-start can "
                              f"finish {len(layers)} of this model's layers over processed weights "
                              f"({', '.join(layers[:3])}): every engine would miss",
-                             f"set moe_backend = \"{others[0]}\" in its [model.vllm] and --moe-backend {others[0]} in "
-                             "its engines (a backend fast-start finishes), or serve it without fast-start" if others
+                             f"{vllm_rules.backend_fix(others[0])} (a backend fast-start finishes), or serve it "
+                             "without fast-start" if others
                              else "serve it without fast-start")
     if hook or vllm_preprocessed.processed_without_hook(model):
         return "processed"
     return "loaded"
 
 
-def apply_env(options: dict) -> None:
+def apply_env(env: dict[str, str]) -> None:
     """The kernel variables exactly as the fingerprint says (set ones set, the others unset)."""
-    env = options.get("env", {})
     for name in vllm_rules.KERNEL_ENV:
         if name in env:
             os.environ[name] = env[name]
@@ -82,17 +80,16 @@ def apply_env(options: dict) -> None:
             os.environ.pop(name, None)
 
 
-def engine_config(spec: WeightSpec, options: dict):
+def engine_config(spec: WeightSpec, options: vllm_rules.Options):
     from vllm.engine.arg_utils import EngineArgs
     quantization = None if spec.quantization == "none" else spec.quantization
-    chosen = {"moe_backend": options["moe_backend"]} if "moe_backend" in options else {}
-    args = EngineArgs(**chosen, model=spec.path, dtype=spec.dtype, quantization=quantization,
+    args = EngineArgs(**options.engine_args(), model=spec.path, dtype=spec.dtype, quantization=quantization,
                       tensor_parallel_size=spec.tensor_parallel_size,
                       pipeline_parallel_size=spec.pipeline_parallel_size,
                       data_parallel_size=spec.data_parallel_size,
                       enable_expert_parallel=bool(spec.expert_parallel),
                       expert_placement_strategy=spec.expert_parallel or "linear",
-                      kv_cache_dtype=options.get("kv_cache_dtype", "auto"), enforce_eager=True,
+                      enforce_eager=True,
                       skip_tokenizer_init=True, load_format="auto", use_tqdm_on_load=False)
     return args.create_engine_config()
 
@@ -163,8 +160,8 @@ def _refuse(op: str, spec: WeightSpec):
 def fill(spec: WeightSpec, device: str, progress: Callable[[int, int], None] | None = None,
          chunk: int = CHUNK) -> tuple[Manifest, list[int]]:
     """Build, load and (stage "processed") process this rank with vLLM; export into a sealed arena."""
-    options = json.loads(spec.engine_options or "{}")
-    apply_env(options)
+    options = vllm_rules.Options.decoded(spec.engine_options)
+    apply_env(options.env)
     # vLLM's records through the worker's handler (`journal.setup`), which gives the journal their
     # priority, not through vLLM's own, whose every line the journal would keep at info.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")

@@ -474,7 +474,7 @@ def weight_spec(model_config, vllm_config, parallel=None) -> WeightSpec:
     if getattr(parallel, "enable_eplb", False):
         raise CacheMiss("expert load balancing (--enable-eplb) moves experts between ranks as the engine runs; "
                         "its layouts are not cached", "serve it without fast-start, or without --enable-eplb")
-    chosen = _kernel_choices(vllm_config, parallel)
+    chosen = vllm_rules.unmatched_choices(vllm_config, parallel)
     if chosen:
         raise CacheMiss(f"the engine chooses its kernels ({', '.join(chosen)}), which may lay out the processed "
                         "weights otherwise, and the fill does not (it takes vLLM's defaults)",
@@ -498,8 +498,7 @@ def weight_spec(model_config, vllm_config, parallel=None) -> WeightSpec:
         raise CacheMiss(f"this model's TP size {tp} is not the engine's ({get_tp_group().world_size}): a draft's "
                         "own TP size is not cached", "run the draft at the target's TP size")
     rank = get_pp_group().rank_in_group * tp + get_tensor_model_parallel_rank()
-    options = vllm_rules.engine_options(os.environ, vllm_config.cache_config.cache_dtype, pp,
-                                        getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", "auto"))
+    options = vllm_rules.Options.of_engine(vllm_config, pp, os.environ).encoded()
     dp = parallel.data_parallel_size
     experts = vllm_rules.expert_parallel(getattr(parallel, "enable_expert_parallel", False),
                                          getattr(parallel, "expert_placement_strategy", "linear"), tp, dp)
@@ -508,26 +507,6 @@ def weight_spec(model_config, vllm_config, parallel=None) -> WeightSpec:
                       engine_version=vllm.__version__, pipeline_parallel_size=pp, engine_options=options,
                       data_parallel_size=dp, data_parallel_rank=get_dp_group().rank_in_group if dp > 1 else 0,
                       expert_parallel=experts)
-
-
-def _kernel_choices(vllm_config, parallel) -> list[str]:
-    """The engine's kernel options set away from their defaults that the fill cannot be told: each
-    picks how `process_weights_after_loading` lays out weights (linear backends, the MoE all-to-all,
-    layers whose KV cache stays unquantized), which the fill, on vLLM's defaults, would not match.
-    The MoE backend is the model's `moe_backend`, in the fingerprint."""
-    kernels = getattr(vllm_config, "kernel_config", None)
-    chosen = []
-    if getattr(kernels, "linear_backend", "auto") != "auto":
-        chosen.append(f"linear_backend={kernels.linear_backend!r}")
-    if getattr(kernels, "linear_backend_per_quant", None):
-        chosen.append(f"linear_backend_per_quant={kernels.linear_backend_per_quant!r}")
-    fields = getattr(type(parallel), "__dataclass_fields__", {})
-    if "all2all_backend" in fields and parallel.all2all_backend != fields["all2all_backend"].default \
-            and getattr(parallel, "enable_expert_parallel", False):
-        chosen.append(f"all2all_backend={parallel.all2all_backend!r}")
-    if getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None):
-        chosen.append(f"kv_cache_dtype_skip_layers={vllm_config.cache_config.kv_cache_dtype_skip_layers!r}")
-    return chosen
 
 
 def _check_draft(model_config, method: str) -> None:

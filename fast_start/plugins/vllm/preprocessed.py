@@ -225,7 +225,7 @@ def _on_backend(method) -> str:
     return f" on {_backend(method)}" if _backend(method) else ""
 
 
-def moe_backends(model: torch.nn.Module, hook: bool) -> list[str]:
+def finishing_backends(model: torch.nn.Module, hook: bool) -> list[str]:
     """The MoE backends (as `--moe-backend` names them) fast-start finishes for every unfinished
     MoE method of `model`; [] where there are none, or no such layer. The CPU's backend is vLLM's
     only choice there, not an option."""
