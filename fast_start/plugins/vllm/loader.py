@@ -91,9 +91,7 @@ def register() -> None:
         worker = _platform_worker()
         if worker is not None:
             kept.wrap_warm_up(worker)
-            standby_kv.wrap_sleep(worker)
-            worker.sleep = _refusing_level_2(worker.sleep)
-            roles.wrap(worker)
+            _wrap_sleep(worker)
         _registered = True
 
 
@@ -296,16 +294,32 @@ def _detaching(reload_weights):
     return reload
 
 
-def _refusing_level_2(sleep):
-    """The worker's sleep, refused at level 2 where its weights are mapped from the daemon."""
-    def refused(self, level: int = 1, *args, **kwargs):
+def _wrap_sleep(worker) -> None:
+    """The worker's sleep and wake_up as a standby uses them. Sleep: refused at level 2 where the
+    weights are mapped from the daemon; vLLM's own where it has something to do
+    (`standby_kv.pooled`); the KV cache's ranges lightened; the daemon told "standby". Wake: the
+    daemon told "waking"; the ranges backed before vLLM's own wake; then "serving"."""
+    sleep, wake_up = worker.sleep, worker.wake_up
+
+    def sleeping(self, level: int = 1, *args, **kwargs):
         if level >= 2 and getattr(self.model_runner.get_model(), "fast_start_mapped_bytes", 0):
             raise ValueError("fast-start: a level-2 sleep discards the weights and wakes by reloading them, and a "
                              "zero_copy engine's weights are the daemon's, mapped read-only: nothing was discarded "
                              "(wake_up resumes the engine); sleep at level 1, which releases the KV cache only, "
                              "or load with --model-loader-extra-config '{\"mode\": \"copy\"}'")
-        return sleep(self, level, *args, **kwargs)
-    return refused
+        result = sleep(self, level, *args, **kwargs) if standby_kv.pooled(self) else None
+        standby_kv.sleep()
+        roles.tell("standby")
+        return result
+
+    def waking(self, *args, **kwargs):
+        roles.tell("waking")
+        standby_kv.wake()
+        result = wake_up(self, *args, **kwargs) if standby_kv.pooled(self) else None
+        roles.tell("serving")
+        return result
+
+    worker.sleep, worker.wake_up = sleeping, waking
 
 
 def refusal(vllm_config, mode: str) -> str | None:

@@ -18,22 +18,7 @@ def holding(weights: Weights) -> None:
     _held.append(weights)
 
 
-def wrap(worker) -> None:
-    """The worker class's `sleep` and `wake_up`, each followed (or preceded) by the role it gives."""
-    worker.sleep = _telling(worker.sleep, after="standby")
-    worker.wake_up = _telling(worker.wake_up, before="waking", after="serving")
-
-
-def _tell(role: str) -> None:
+def tell(role: str) -> None:
+    """Tell the daemon of each lease this process holds that its engine is now `role`."""
     for weights in _held:
         tell_role(weights, role)
-
-
-def _telling(method, after: str, before: str = ""):
-    def told(self, *args, **kwargs):
-        if before:
-            _tell(before)
-        result = method(self, *args, **kwargs)
-        _tell(after)
-        return result
-    return told

@@ -142,25 +142,10 @@ def unchecked(check, snapshot, cache_config, *args, **kwargs) -> int:
     return check(counted, cache_config, *args, **kwargs)
 
 
-def wrap_sleep(worker) -> None:
-    """The worker's sleep and wake_up move this process's KV cache ranges (it has none outside the
-    standby's supervisor or off a GPU). vLLM's own sleep runs only where it has something to do:
-    its memory pool is in use (enable_sleep_mode) or the KV cache is vLLM's."""
-    sleep_, wake_up = worker.sleep, worker.wake_up
-
-    def sleeping(self, *args, **kwargs):
-        result = sleep_(self, *args, **kwargs) if _pooled(self) else None
-        sleep()
-        return result
-
-    def waking(self, *args, **kwargs):
-        wake()
-        return wake_up(self, *args, **kwargs) if _pooled(self) else None
-
-    worker.sleep, worker.wake_up = sleeping, waking
-
-
-def _pooled(worker) -> bool:
+def pooled(worker) -> bool:
+    """Whether vLLM's own sleep has something to do: its memory pool is in use (enable_sleep_mode)
+    or the KV cache is vLLM's (this process has no ranges: outside the standby's supervisor, or off
+    a GPU)."""
     return not _ranges or bool(getattr(worker.vllm_config.model_config, "enable_sleep_mode", False))
 
 
