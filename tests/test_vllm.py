@@ -172,6 +172,19 @@ def test_reload_weights_ends_with_the_default_loaders_weights_and_never_writes_t
     assert_same_weights(again, want)          # the cache holds what it held
 
 
+def test_a_zero_copy_engine_sleeps_and_wakes_at_level_1_and_refuses_level_2_still_serving(work, checkpoints,
+                                                                                          reference, cache):
+    """A level-2 sleep would discard the daemon's mapped weights and reload them: refused with the
+    fix, the engine left as it was; level 1 (what the standby uses) sleeps and wakes, serving the
+    same tokens. (vLLM's CPU build: the sleep frees nothing, yet runs through the same wrapper.)"""
+    got, log = run_engine(work / "sleep.log", checkpoints["llama"], 1, "fast_start",
+                          {"socket_dir": str(cache), "fallback": False}, sleep=[2, 1])
+    want = reference["llama", 1]["tokens"]
+    assert got["tokens"] == got["woken"]["1"] == want, log[-4000:]
+    assert "fast-start: a level-2 sleep discards the weights" in got["refused"]["2"], got.get("refused")
+    assert list(got["refused"]) == ["2"] and list(got["woken"]) == ["1"]
+
+
 def test_features_that_write_weights_are_refused_at_start_in_zero_copy_only():
     """Weight transfer writes a trainer's weights in place (sleep mode too: the H200 test runs it):
     a zero_copy engine refuses it as the load starts, naming the fix; copy mode allows it."""

@@ -11,7 +11,9 @@ fast-start loader set it, `fast_start_source`; the external weight bytes the loa
 and the greedy tokens for fixed prompts. `"engine"`: more of `LLM`'s arguments (e.g.
 `enable_expert_parallel`; with a `speculative_config` the draft model is reported too, as
 `draft`). With `"reload": true`, vLLM's `reload_weights` then
-runs and the tokens and the report are taken again (`reloaded`). `"workers": "spawn"`: a
+runs and the tokens and the report are taken again (`reloaded`). `"sleep": [1, 2]`: vLLM's sleep at
+each level, then a wake and the tokens again (`woken`, or `refused` with the error's text).
+`"workers": "spawn"`: a
 multi-rank engine's workers spawned, as vLLM's CPU build does (by default they are forked).
 `"eager": false`: torch.compile and
 CUDA graphs on, as vLLM's defaults have them (the tests run eager unless they say so).
@@ -185,6 +187,15 @@ def main() -> None:
         result["reloaded"] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
                               "ranks": sorted(llm.apply_model(functools.partial(report, llm.llm_engine.vllm_config)),
                                               key=lambda r: r["rank"])}
+    for level in args.get("sleep", ()):     # vLLM's sleep at each level, then a wake and the prompts again
+        try:
+            llm.sleep(level=level)
+        except Exception as e:
+            result.setdefault("refused", {})[level] = str(e)
+            continue
+        llm.wake_up()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        result.setdefault("woken", {})[level] = [list(o.outputs[0].token_ids) for o in outputs]
     with open(args["out"], "w") as f:
         json.dump(result, f)
 
