@@ -12,8 +12,9 @@ is added, so the engine starts from what its folder holds, as it would without f
 folder already holding the set, every file of it whole, is used as it is (`.set` beside it
 records the set). Once the engine has started, `Folder.keep` sends the set back if the engine
 added to it: a file new since the start or of another size, or one of the engine's own folders
-(`ours`) not yet kept, where an earlier engine's files made after its set was kept count too. A temp folder is the engine's alone, all of it kept; in an own folder,
-other engines' files stay out of the set.
+(`ours`) not yet kept. Files an earlier engine made after its set was kept (kernels compiled
+while it served) count too; `Folder.made` tells them from the engine's own. A temp folder is the
+engine's alone, all of it kept; in an own folder, other engines' files stay out of the set.
 
 Stdlib only: the engine's plugin calls it with torch loaded, but nothing here needs it.
 """
