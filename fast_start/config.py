@@ -134,11 +134,16 @@ class ModelConfig:
         return len(self.gpus) // self.replicas
 
     def spec(self, gpu: int) -> WeightSpec:
-        """The weights GPU `gpu` serves for this model: its slot (its place in its replica's share
-        of `gpus`, plus `rank_offset`) counts DP rank by DP rank, each of tensor × pipeline ranks."""
+        """The weights GPU `gpu` serves for this model: its slot's (its place in its replica's
+        share of `gpus`, plus `rank_offset`)."""
+        return self.slot_spec(self.gpus.index(gpu) % self.replica_gpus + self.rank_offset)
+
+    def slot_spec(self, slot: int) -> WeightSpec:
+        """The weights of a replica's slot `slot`: slots count DP rank by DP rank, each of tensor ×
+        pipeline ranks. The one builder of a model's `WeightSpec`: the daemon's, and a running
+        engine's, whose plugin describes the engine as a [[model]] and asks its slot's."""
         engine = self.filler
-        dp_rank, rank = divmod(self.gpus.index(gpu) % self.replica_gpus + self.rank_offset,
-                               self.tensor_parallel_size * self.pipeline_parallel_size)
+        dp_rank, rank = divmod(slot, self.tensor_parallel_size * self.pipeline_parallel_size)
         return WeightSpec(path=self.path, tensor_parallel_size=self.tensor_parallel_size, rank=rank,
                           dtype=self.dtype, quantization=self.quantization, layout=self.layout,
                           revision=self.revision, engine_version=self.engine_version,

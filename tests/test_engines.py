@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 import fast_start
 from fast_start import config as configs
 from fast_start import engines
+from fast_start.engines.vllm import Settings
 from fast_start.errors import CacheMiss, ConfigError
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -119,5 +120,26 @@ def test_vllms_engine_options_are_one_record_written_and_read_back_alike():
     assert chosen.engine_args() == {"kv_cache_dtype": "fp8", "moe_backend": "marlin"}
     running = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8"),
                               kernel_config=SimpleNamespace(moe_backend="marlin"))
-    assert Options.of_engine(running, 1, environ) == chosen
-    assert Options.of_engine(SimpleNamespace(cache_config=running.cache_config), 1, environ).moe_backend == "auto"
+    assert Settings.of_engine(running, environ) == Settings("fp8", "marlin", ("VLLM_USE_DEEP_GEMM=0",))
+    assert Settings.of_engine(SimpleNamespace(cache_config=running.cache_config), environ).moe_backend == "auto"
+
+
+def test_a_running_vllm_engine_described_as_a_model_gets_the_configs_spec_for_each_slot(small, tmp_path,
+                                                                                        monkeypatch):
+    """The vLLM loader describes its engine as a [[model]] (its settings from its config and
+    environment, `Settings.of_engine`) and asks `slot_spec`, the config's own builder: each rank
+    gets what the daemon's config gives the GPU of that slot."""
+    from types import SimpleNamespace
+    monkeypatch.setenv("VLLM_USE_DEEP_GEMM", "0")
+    cfg = configs.load(write_config(tmp_path / "fs.toml", tmp_path / "run", [
+        {"name": "m", "path": str(small), "gpus": [4, 5, 6, 7, 0, 1, 2, 3], "tensor_parallel_size": 2,
+         "pipeline_parallel_size": 2, "data_parallel_size": 2, "engine": "vllm", "enable_expert_parallel": True,
+         "vllm": {"kv_cache_dtype": "fp8", "moe_backend": "marlin"}}]))
+    running = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8"),
+                              kernel_config=SimpleNamespace(moe_backend="marlin"))
+    configured = cfg.models[0]
+    engine = configs.ModelConfig(name="m", path=str(small), gpus=(), tensor_parallel_size=2, pipeline_parallel_size=2,
+                                 data_parallel_size=2, engine="vllm", enable_expert_parallel=True,
+                                 settings=Settings.of_engine(running, os.environ))
+    assert [engine.slot_spec(slot) for slot in range(8)] == [configured.spec(gpu) for gpu in configured.gpus]
+    assert len({configured.spec(gpu) for gpu in configured.gpus}) == 8

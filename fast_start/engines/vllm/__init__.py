@@ -27,6 +27,14 @@ class Settings:
     env: tuple[str, ...] = ()
     """Kernel-selecting variables the engines set, "NAME=VALUE" (names of `rules.KERNEL_ENV`)."""
 
+    @classmethod
+    def of_engine(cls, vllm_config, environ) -> Settings:
+        """What a running engine's `VllmConfig` and environment say (read by attribute: nothing
+        here imports vLLM)."""
+        backend = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", "auto")
+        return cls(vllm_config.cache_config.cache_dtype, backend,
+                   tuple(f"{k}={environ[k]}" for k in rules.KERNEL_ENV if k in environ))
+
 
 class VllmEngine:
     name = "vllm"

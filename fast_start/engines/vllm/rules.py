@@ -1,8 +1,9 @@
 """What a vLLM fill depends on besides the checkpoint, and which quantizations it may cache.
 
-Read without torch or vLLM: the config checks a `[model.vllm]` table with it, the daemon and the engine's
-plugin both compute the fingerprint's `engine_options` with it (`Options`, so they agree by
-construction), and the plugin asks it which of an engine's settings the fill cannot match.
+Read without torch or vLLM: the config checks a `[model.vllm]` table with it and computes the
+fingerprint's `engine_options` with it (`Options`) for the daemon and the engine's plugin alike
+(`ModelConfig.slot_spec`), and the plugin asks it which of an engine's settings the fill cannot
+match.
 
 The bytes vLLM holds after `process_weights_after_loading` depend on the kernels it chose at
 construction, and so on the environment variables that steer that choice. `KERNEL_ENV` lists
@@ -97,9 +98,9 @@ BACKEND = re.compile(r"[a-z][a-z0-9_]*")      # how vLLM names MoE backends and 
 
 
 class Options(NamedTuple):
-    """The fingerprint's `engine_options`: what steers vLLM's processed bytes besides the spec. The
-    config's `[model.vllm]` (`VllmEngine.options`) and a running engine's config (`of_engine`)
-    both make one; the fill gives it back to vLLM (`env`, `engine_args`)."""
+    """The fingerprint's `engine_options`: what steers vLLM's processed bytes besides the spec. A model's
+    `[model.vllm]` makes one (`VllmEngine.options`), the config's or a running engine's
+    (`Settings.of_engine`); the fill gives it back to vLLM (`env`, `engine_args`)."""
     env: dict[str, str]
     """The KERNEL_ENV variables set, with their values."""
     kv_cache_dtype: str = "auto"
@@ -113,12 +114,6 @@ class Options(NamedTuple):
     def of(cls, environ, kv_cache_dtype: str, pipeline_parallel_size: int, moe_backend: str = "auto") -> Options:
         return cls({k: environ[k] for k in KERNEL_ENV if k in environ}, kv_cache_dtype, pipeline_parallel_size,
                    moe_backend)
-
-    @classmethod
-    def of_engine(cls, vllm_config, pipeline_parallel_size: int, environ) -> Options:
-        """What a running engine's `VllmConfig` says (read by attribute: nothing here imports vLLM)."""
-        backend = getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", "auto")
-        return cls.of(environ, vllm_config.cache_config.cache_dtype, pipeline_parallel_size, backend)
 
     def encoded(self) -> str:
         """Canonical JSON. The MoE backend appears only where it is chosen: an "auto" model's

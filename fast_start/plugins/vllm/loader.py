@@ -63,10 +63,11 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from . import attention as vllm_attention, compat, kept, roles, standby_kv, state as vllm_state
-from ...engines.vllm import ENGINE, rules as vllm_rules
+from ...engines.vllm import ENGINE, Settings as VllmSettings, rules as vllm_rules
 from .install import prepare
 from ...engines.vllm.record import FillRecord
 from ...client import cached, fetch, release
+from ...config import ModelConfig
 from ...errors import CacheMiss, FastStartError, QuantizationError
 from ...fingerprint import WeightSpec
 from ...protocol import Mode
@@ -511,16 +512,16 @@ def weight_spec(model_config, vllm_config, parallel=None) -> WeightSpec:
     if get_tp_group().world_size != tp:
         raise CacheMiss(f"this model's TP size {tp} is not the engine's ({get_tp_group().world_size}): a draft's "
                         "own TP size is not cached", "run the draft at the target's TP size")
-    rank = get_pp_group().rank_in_group * tp + get_tensor_model_parallel_rank()
-    options = vllm_rules.Options.of_engine(vllm_config, pp, os.environ).encoded()
-    dp = parallel.data_parallel_size
-    experts = vllm_rules.expert_parallel(getattr(parallel, "enable_expert_parallel", False),
-                                         getattr(parallel, "expert_placement_strategy", "linear"), tp, dp)
-    return WeightSpec(path=_local_folder(model_config), tensor_parallel_size=tp, rank=rank, dtype=dtype,
-                      quantization=quantization, layout=ENGINE.name, revision=model_config.revision or "main",
-                      engine_version=vllm.__version__, pipeline_parallel_size=pp, engine_options=options,
-                      data_parallel_size=dp, data_parallel_rank=get_dp_group().rank_in_group if dp > 1 else 0,
-                      expert_parallel=experts)
+    dp = parallel.data_parallel_size      # this engine as a [[model]] would say it; its slot, not a GPU, is its rank
+    model = ModelConfig(name=model_config.model, path=_local_folder(model_config), gpus=(), tensor_parallel_size=tp,
+                        dtype=dtype, quantization=quantization, engine=ENGINE.name,
+                        revision=model_config.revision or "main", engine_version=vllm.__version__,
+                        pipeline_parallel_size=pp, data_parallel_size=dp,
+                        enable_expert_parallel=getattr(parallel, "enable_expert_parallel", False),
+                        expert_placement_strategy=getattr(parallel, "expert_placement_strategy", "linear"),
+                        settings=VllmSettings.of_engine(vllm_config, os.environ))
+    dp_rank = get_dp_group().rank_in_group if dp > 1 else 0
+    return model.slot_spec((dp_rank * pp + get_pp_group().rank_in_group) * tp + get_tensor_model_parallel_rank())
 
 
 def _check_draft(model_config, method: str) -> None:
