@@ -59,7 +59,8 @@ class Range:
                                       device=torch.device("cuda", ordinal))
 
     def back(self) -> None:
-        """Memory of its own, zeroed; the range as it was where the GPU has no room (ArenaError)."""
+        """Memory of its own, zeroed; the range as it was where the GPU has no room (ArenaError).
+        A map that fails after the unmap leaves the range unmapped: `back` or `lighten` maps it again."""
         if self.backed:
             return
         handle = cudadrv.create(self.size, self.ordinal, "the engine's KV cache")
