@@ -98,9 +98,9 @@ BACKEND = re.compile(r"[a-z][a-z0-9_]*")      # how vLLM names MoE backends and 
 
 
 class Options(NamedTuple):
-    """The fingerprint's `engine_options`: what steers vLLM's processed bytes besides the spec. A model's
-    `[model.vllm]` makes one (`VllmEngine.options`), the config's or a running engine's
-    (`Settings.of_engine`); the fill gives it back to vLLM (`env`, `engine_args`)."""
+    """The fingerprint's `engine_options`: what steers vLLM's processed bytes besides the spec.
+    A model's `[model.vllm]` makes one (`VllmEngine.options`), the config's or a running
+    engine's (`Settings.of_engine`); the fill gives it back to vLLM (`env`, `engine_args`)."""
     env: dict[str, str]
     """The KERNEL_ENV variables set, with their values."""
     kv_cache_dtype: str = "auto"
